@@ -1,0 +1,218 @@
+"""EngineArgs: what a user asks for. create_engine_config() validates it all, once, resolves
+every "auto", decides the runner and logs the decision line.
+
+Types and enumerations are checked by pydantic when EngineArgs is built (a ValidationError,
+which is a ValueError, naming the field, the input and the accepted literals); ranges and
+cross-field rules are checked in create_engine_config() by the resolve_* functions of
+policy.config, with messages of the form "<field>=<value> is not valid (why); accepted: ...".
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import types
+import typing
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from policy import config as config_module
+from policy import envs
+from policy import features as feature_table
+from policy.config import (
+    EngineConfig,
+    LoadConfig,
+    SpeculativeConfig,
+    resolve_attention_backend,
+    resolve_cache,
+    resolve_compilation,
+    resolve_device,
+    resolve_parallel,
+    resolve_scheduler,
+)
+from policy.model_config import RUNNERLAB_ARCHITECTURES, ModelConfig, build_model_config
+from policy.presets import gguf_install_hint
+from policy.selection import decide_runner
+
+logger = logging.getLogger("runnerlab")
+
+
+class EngineArgs(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+    model: str = Field(description="preset name, or a directory / file holding a config.json")
+    load_format: Literal["auto", "dummy"] = Field(
+        "auto", description="auto: the model's weights (tiny presets: seeded random); dummy: random")
+    dtype: Literal["auto", "float32", "float64", "bfloat16", "float16"] = Field(
+        "auto", description="auto: float32 on CPU; on CUDA the checkpoint's half type, else bfloat16")
+    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto: cuda when available")
+    seed: int = Field(0, description="seed of random weights and of unseeded requests")
+    model_runner: Literal["auto", "v1", "v2"] = Field(
+        "auto", description="force a runner; auto: RUNNERLAB_USE_V2_MODEL_RUNNER, then the policy")
+    max_model_len: int | None = Field(
+        None, description="default min(max_position_embeddings, 4096)")
+    max_num_seqs: int | None = Field(None, description="default 256 on CUDA, 32 on CPU")
+    max_num_batched_tokens: int | None = Field(
+        None, description="default 8192 on CUDA, 2048 on CPU (at least max_num_seqs)")
+    block_size: int = Field(16, description="KV-cache block size in tokens (a power of two)")
+    num_gpu_blocks_override: int | None = Field(
+        None, description="number of KV blocks instead of sizing from memory")
+    gpu_memory_utilization: float = Field(0.9, description="fraction of GPU memory to use")
+    enable_prefix_caching: bool = Field(True, description="reuse cached KV blocks of shared prefixes")
+    enable_chunked_prefill: bool = Field(True, description="split long prefills across steps")
+    enforce_eager: bool = Field(False, description="never use CUDA graphs")
+    cudagraph_mode: Literal["auto", "NONE", "PIECEWISE", "FULL", "FULL_AND_PIECEWISE"] = Field(
+        "auto", description="auto: V1 FULL_AND_PIECEWISE, V2 FULL, NONE on CPU or when eager")
+    cudagraph_capture_sizes: list[int] | None = Field(
+        None, description="batch sizes to capture; default 1,2,4,8..256 step 8, then step 16")
+    attention_backend: Literal["auto", "TORCH", "TRITON", "FLASH_ATTN"] = Field(
+        "auto", description="auto: RUNNERLAB_ATTENTION_BACKEND, else TRITON on CUDA, TORCH on CPU")
+    tensor_parallel_size: int = Field(1, description="only 1 is supported")
+    pipeline_parallel_size: int = Field(1, description="only 1 is supported")
+    # Feature fields the selection gate reads; none is implemented by a runner yet, so each
+    # is refused by name rather than ignored (see policy.features).
+    speculative_config: SpeculativeConfig | None = Field(
+        None, description='JSON, e.g. {"method": "eagle", "rejection_sample_method": "block"}')
+    logits_processors: list[str] = Field(
+        default_factory=list, description="qualified names of custom logits processors")
+    pooling_task: Literal["embed", "classify", "score", "token_embed", "token_classify"] | None = (
+        Field(None, description="run a pooling task instead of generation"))
+    enable_prompt_embeds: bool = Field(False, description="accept prompt embeddings as input")
+
+    def create_engine_config(self) -> EngineConfig:
+        """Validate, resolve and decide, for running. Raises ValueError on anything that
+        would stop a run; logs exactly one INFO decision line (after any fallback warning)."""
+        config, _ = self._build(strict=True)
+        for warning in config.runner_decision.warnings:
+            logger.warning("%s", warning)
+        logger.info("%s", config.runner_decision.log_line())
+        return config
+
+    def create_explain_config(self) -> tuple[EngineConfig, list[str]]:
+        """For `explain`: the same resolution and decision without logging, where what would
+        only stop a run here (no GPU, no weights, an architecture runnerlab does not
+        implement, a forced runner that cannot honour the config) is reported, not raised:
+        -> (config, run blockers); a blocking decision is in config.runner_decision.error."""
+        return self._build(strict=False)
+
+    def _build(self, strict: bool) -> tuple[EngineConfig, list[str]]:
+        env_use_v2 = envs.use_v2_model_runner()
+        env_backend = envs.attention_backend()
+        blockers: list[str] = []
+        device = resolve_device(self.device, check_available=strict)
+        if device == "cuda" and not strict and not config_module.cuda_available():
+            blockers.append("device='cuda': no CUDA GPU is available here")
+        if self.seed < 0:
+            raise ValueError(f"seed={self.seed} is not valid; accepted: an integer >= 0")
+        model = build_model_config(self.model, self.dtype, device, self.max_model_len)
+        cache = resolve_cache(self.block_size, self.num_gpu_blocks_override,
+                              self.gpu_memory_utilization, self.enable_prefix_caching)
+        scheduler = resolve_scheduler(device, model.max_model_len, self.max_num_seqs,
+                                      self.max_num_batched_tokens, self.enable_chunked_prefill)
+        parallel = resolve_parallel(self.tensor_parallel_size, self.pipeline_parallel_size)
+        decision = decide_runner(
+            model, feature_table.requested_features(self), model_runner=self.model_runner,
+            env_use_v2=env_use_v2, device=device, strict=strict,
+        )
+        compilation = resolve_compilation(decision.runner, device, self.cudagraph_mode,
+                                          self.enforce_eager, self.cudagraph_capture_sizes,
+                                          scheduler)
+        backend, backend_source = resolve_attention_backend(self.attention_backend, env_backend,
+                                                            device)
+        load = LoadConfig(load_format=self.load_format, seed=self.seed,
+                          weight_source=_weight_source(model, self.load_format))
+        blockers += run_blockers(model, load, backend)
+        if strict and blockers:
+            raise ValueError("; ".join(blockers))
+        config = EngineConfig(
+            model_config=model, cache_config=cache, scheduler_config=scheduler,
+            compilation_config=compilation, parallel_config=parallel, load_config=load,
+            device_config={"device": device}, attention_backend=backend,
+            attention_backend_source=backend_source, runner_decision=decision,
+            speculative_config=self.speculative_config,
+            logits_processors=list(self.logits_processors), pooling_task=self.pooling_task,
+            enable_prompt_embeds=self.enable_prompt_embeds,
+        )
+        return config, blockers
+
+
+def _weight_source(model: ModelConfig, load_format: str) -> str:
+    if load_format == "dummy" or model.preset_kind in ("random", "shape-only"):
+        return "random"
+    return "gguf" if model.preset_kind == "gguf" else "safetensors"
+
+
+def run_blockers(model: ModelConfig, load: LoadConfig, attention_backend: str) -> list[str]:
+    """Everything that stops a run but not an explanation, each naming the field to change."""
+    out: list[str] = []
+    if not model.supported_by_runnerlab:
+        out.append(
+            f"model={model.model!r}: runnerlab implements neither runner for "
+            f"{model.architecture} (implemented: {', '.join(sorted(RUNNERLAB_ARCHITECTURES))}); "
+            f"`python -m policy explain --model {model.model}` still judges it")
+    if model.is_shape_only and load.load_format == "auto":
+        out.append(
+            f"load_format='auto' is not valid for the shape-only preset {model.preset!r} (it "
+            f"ships no weights); accepted: load_format='dummy' (seeded random weights)")
+    if load.weight_source == "gguf" and model.gguf_path is None:
+        out.append(
+            f"model={model.model!r} needs its GGUF weights: {gguf_install_hint(model.preset)}, "
+            f"or load_format='dummy' for random weights")
+    if load.weight_source == "safetensors" and model.model_dir is not None:
+        from pathlib import Path
+
+        if not any(Path(model.model_dir).glob("*.safetensors")):
+            out.append(
+                f"model={model.model!r}: no *.safetensors in {model.model_dir} (weights are never "
+                f"unpickled); accepted: load_format='dummy' for random weights")
+    if attention_backend == "FLASH_ATTN":
+        from importlib.util import find_spec
+
+        if find_spec("flash_attn") is None:
+            out.append("attention_backend='FLASH_ATTN' needs the flash_attn package, which is not "
+                       "importable here; accepted: 'auto', 'TORCH', 'TRITON'")
+    return out
+
+
+# ------------------------------------------------------------------ command-line flags
+
+
+def _unwrap_optional(annotation: Any) -> Any:
+    args = typing.get_args(annotation)
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType) and type(None) in args:
+        rest = [a for a in args if a is not type(None)]
+        return rest[0] if len(rest) == 1 else annotation
+    return annotation
+
+
+def add_engine_args(parser: argparse.ArgumentParser, *, require_model: bool = True) -> None:
+    """One flag per EngineArgs field (dashes for underscores; bools as --flag/--no-flag).
+    Every default is argparse.SUPPRESS, so only flags actually given reach EngineArgs and
+    its own defaults apply to the rest."""
+    group = parser.add_argument_group("engine arguments")
+    for name, info in EngineArgs.model_fields.items():
+        flag = "--" + name.replace("_", "-")
+        kwargs: dict[str, Any] = {"default": argparse.SUPPRESS, "help": info.description}
+        kind = _unwrap_optional(info.annotation)
+        if name == "model":
+            kwargs["required"] = require_model
+        elif kind is bool:
+            kwargs["action"] = argparse.BooleanOptionalAction
+        elif typing.get_origin(kind) is Literal:
+            kwargs["choices"] = list(typing.get_args(kind))
+        elif kind in (int, float):
+            kwargs["type"] = kind
+        elif typing.get_origin(kind) is list:
+            kwargs.update(nargs="*", type=typing.get_args(kind)[0])
+        elif kind is SpeculativeConfig:
+            kwargs.update(type=json.loads, metavar="JSON")
+        group.add_argument(flag, **kwargs)
+
+
+def engine_args_from_namespace(ns: argparse.Namespace, **overrides: Any) -> EngineArgs:
+    """EngineArgs from the flags present in ns (plus overrides)."""
+    given = {name: getattr(ns, name) for name in EngineArgs.model_fields if hasattr(ns, name)}
+    given.update(overrides)
+    return EngineArgs(**given)

@@ -1,0 +1,152 @@
+"""The feature-support table: features x runners. The single source of truth for what
+each runner can honour; the selection policy's gates, the error messages and `explain`
+all read it, and a test enables each feature on each runner and checks the outcome.
+
+A feature a runner does not support is refused, never silently ignored: vLLM's V1 accepts
+`rejection_sample_method="block"` and never reads it (the seed's "silent config no-op"),
+which is exactly what this table exists to prevent.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Literal
+
+Runner = Literal["v1", "v2"]
+Status = Literal["supported", "unsupported-yet"]
+
+SUPPORTED: Status = "supported"
+UNSUPPORTED: Status = "unsupported-yet"
+
+
+@dataclass(frozen=True)
+class Feature:
+    label: str                         # what error messages and `explain` print
+    v1: Status
+    v2: Status
+    drop: str                          # the setting that turns the feature off
+    requested: Callable[[dict[str, Any]], bool]  # reads the flat view of _settings()
+    vllm: str = ""                     # how vLLM itself behaves, for the reader
+
+    def status(self, runner: Runner) -> Status:
+        return self.v1 if runner == "v1" else self.v2
+
+    @property
+    def v2_only(self) -> bool:
+        return self.v2 == SUPPORTED and self.v1 != SUPPORTED
+
+
+def _spec_method(s: dict[str, Any], name: str) -> bool:
+    spec = s["speculative_config"]
+    return spec is not None and _get(spec, "rejection_sample_method") == name
+
+
+FEATURES: tuple[Feature, ...] = (
+    Feature(
+        "speculative decoding", UNSUPPORTED, UNSUPPORTED, "speculative_config=None",
+        lambda s: s["speculative_config"] is not None,
+        "V2 supports eagle/eagle3/mtp/dflash; ngram only on V1",
+    ),
+    Feature(
+        "rejection_sample_method='block'", UNSUPPORTED, UNSUPPORTED,
+        "rejection_sample_method='strict'",
+        lambda s: _spec_method(s, "block"),
+        "V2 only; V1 accepts it and silently never reads it",
+    ),
+    Feature(
+        "custom logits processors", UNSUPPORTED, UNSUPPORTED, "logits_processors=[]",
+        lambda s: bool(s["logits_processors"]),
+        "V1 (BatchUpdate-driven); V2 falls back to V1, later a slot-keyed API",
+    ),
+    Feature(
+        "pooling", UNSUPPORTED, UNSUPPORTED, "pooling_task=None",
+        lambda s: s["pooling_task"] is not None,
+        "V1 all tasks; V2 a subset, raising at startup for the rest",
+    ),
+    Feature(
+        "prompt embeds", UNSUPPORTED, UNSUPPORTED, "enable_prompt_embeds=False",
+        lambda s: bool(s["enable_prompt_embeds"]),
+        "V1 only",
+    ),
+    Feature(
+        "cudagraph_mode='PIECEWISE'", SUPPORTED, UNSUPPORTED, "cudagraph_mode='auto'",
+        lambda s: s["cudagraph_mode"] == "PIECEWISE",
+        "V2 captures FULL graphs only and runs mixed batches eagerly",
+    ),
+    Feature(
+        "cudagraph_mode='FULL_AND_PIECEWISE'", SUPPORTED, UNSUPPORTED, "cudagraph_mode='auto'",
+        lambda s: s["cudagraph_mode"] == "FULL_AND_PIECEWISE",
+        "V1's default; V2 has no piecewise graphs",
+    ),
+    Feature(
+        "tensor parallelism > 1", UNSUPPORTED, UNSUPPORTED, "tensor_parallel_size=1",
+        lambda s: s["tensor_parallel_size"] > 1,
+        "both runners",
+    ),
+    Feature(
+        "pipeline parallelism > 1", UNSUPPORTED, UNSUPPORTED, "pipeline_parallel_size=1",
+        lambda s: s["pipeline_parallel_size"] > 1,
+        "both runners",
+    ),
+)
+
+
+def _get(obj: Any, name: str) -> Any:
+    return obj.get(name) if isinstance(obj, dict) else getattr(obj, name, None)
+
+
+def _settings(obj: Any) -> dict[str, Any]:
+    """A flat view of the feature fields of an EngineArgs or an EngineConfig."""
+    if hasattr(obj, "compilation_config"):  # EngineConfig: fields live in sub-configs
+        mode = obj.compilation_config.cudagraph_mode_requested
+        tp = obj.parallel_config.tensor_parallel_size
+        pp = obj.parallel_config.pipeline_parallel_size
+    else:
+        mode, tp, pp = obj.cudagraph_mode, obj.tensor_parallel_size, obj.pipeline_parallel_size
+    return {
+        "speculative_config": obj.speculative_config,
+        "logits_processors": obj.logits_processors,
+        "pooling_task": obj.pooling_task,
+        "enable_prompt_embeds": obj.enable_prompt_embeds,
+        "cudagraph_mode": mode,
+        "tensor_parallel_size": tp,
+        "pipeline_parallel_size": pp,
+    }
+
+
+def feature(label: str) -> Feature:
+    for f in FEATURES:
+        if f.label == label:
+            return f
+    raise KeyError(f"unknown feature {label!r}")
+
+
+def requested_features(obj: Any) -> list[str]:
+    """Labels of the table's features that this EngineArgs / EngineConfig asks for."""
+    settings = _settings(obj)
+    return [f.label for f in FEATURES if f.requested(settings)]
+
+
+def unsupported_for(runner: Runner, features: list[str]) -> list[str]:
+    """The subset of `features` that `runner` cannot honour, in the order given."""
+    return [label for label in features if feature(label).status(runner) != SUPPORTED]
+
+
+def v2_only(features: list[str]) -> list[str]:
+    return [label for label in features if feature(label).v2_only]
+
+
+def how_to_drop(features: list[str]) -> str:
+    """'speculative_config=None, logits_processors=[]' for an error message."""
+    drops: list[str] = []
+    for label in features:
+        if feature(label).drop not in drops:
+            drops.append(feature(label).drop)
+    return ", ".join(drops)
+
+
+def table() -> list[dict[str, str]]:
+    """The table as rows, for `explain --features` and documentation."""
+    return [{"feature": f.label, "v1": f.v1, "v2": f.v2, "drop": f.drop, "vllm": f.vllm}
+            for f in FEATURES]

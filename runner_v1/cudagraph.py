@@ -1,0 +1,162 @@
+"""V1's implicit CUDA graphs: a dispatcher picks (mode, batch descriptor) per step, the
+mode travels in the forward context, and a wrapper around the model replays.
+
+FULL graphs cover uniform-decode batches (every request decodes one token), captured
+per capture size with the whole forward, attention included. Mixed batches run eager
+(piecewise graphs between attention calls are not implemented: an explicit
+cudagraph_mode=PIECEWISE is refused at start-up rather than silently ignored).
+
+Padding: a batch of n decodes runs the graph of the smallest capture size B >= n. The
+rows n..B-1 are neutralised by input prep every step — query_start_loc repeats its
+last value, seq_lens are 0, block-table rows are 0, slot mapping is PAD — so a stale
+row from an earlier, larger batch can neither be read nor written.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from shared.attention.metadata import PAD_SLOT_ID, CommonAttentionMetadata
+from shared.cudagraph_utils import BatchDescriptor, is_uniform_decode, padded_size
+from shared.forward_context import get_forward_context
+
+logger = logging.getLogger("runnerlab")
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    mode: str  # "FULL" | "NONE"
+    num_tokens_padded: int
+    num_reqs_padded: int
+    descriptor: BatchDescriptor | None
+
+
+class CudaGraphWrapper:
+    """Wraps the model's forward. Reads the mode from the forward context: FULL with a
+    captured descriptor replays; anything else runs the model."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.model = model
+        self.graphs: dict[BatchDescriptor, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.pool = None
+
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        ctx = get_forward_context()
+        desc = None if ctx is None else ctx.batch_descriptor
+        if ctx is not None and ctx.cudagraph_mode == "FULL" and desc in self.graphs:
+            graph, output = self.graphs[desc]
+            graph.replay()
+            return output
+        return self.model(input_ids, positions)
+
+    def capture(self, desc: BatchDescriptor, run: Any) -> None:
+        if self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()
+        run()  # eager warm-up: Triton JIT and allocator state outside the capture
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            output = run()
+        self.graphs[desc] = (graph, output)
+
+
+class V1CudaGraphs:
+    def __init__(self, config: Any, device: torch.device, executor, buffers, input_batch):
+        cc = config.compilation_config
+        self.mode = cc.cudagraph_mode  # resolved by policy: NONE on CPU / enforce_eager
+        self.capture_sizes = sorted(
+            s for s in cc.cudagraph_capture_sizes if s <= config.scheduler_config.max_num_seqs
+        )
+        # The TORCH oracle reads lengths on the host: it cannot run inside a graph.
+        self.enabled = (
+            device.type == "cuda" and self.mode != "NONE" and bool(self.capture_sizes)
+            and executor.backend.name != "TORCH"
+        )
+        self.device = device
+        self.executor = executor
+        self.buffers = buffers
+        self.input_batch = input_batch
+        self.wrapper: CudaGraphWrapper | None = None
+        self.max_model_len = config.scheduler_config.max_model_len
+        if self.enabled and self.mode == "PIECEWISE":
+            raise ValueError(
+                "cudagraph_mode='PIECEWISE' is not implemented by runnerlab's V1 runner "
+                "(mixed batches would run eager, silently); use 'FULL_AND_PIECEWISE', 'FULL' "
+                "or 'NONE'"
+            )
+
+    # ---- dispatch -----------------------------------------------------------------------
+    def dispatch(self, num_scheduled: np.ndarray) -> StepPlan:
+        num_reqs = int(num_scheduled.shape[0])
+        num_tokens = int(num_scheduled.sum())
+        if self.enabled and self.wrapper is not None:
+            max_query_len = int(num_scheduled.max())
+            if is_uniform_decode(max_query_len, num_tokens, num_reqs):
+                size = padded_size(num_reqs, self.capture_sizes)
+                if size is not None:
+                    return StepPlan("FULL", size, size, BatchDescriptor("FULL", size, size))
+        return StepPlan("NONE", num_tokens, num_reqs, None)
+
+    def run(self, plan: StepPlan, inputs, attn_metadata) -> torch.Tensor:
+        return self.executor.forward(
+            inputs.input_ids, inputs.positions, attn_metadata, plan.num_tokens_padded,
+            cudagraph_mode=plan.mode, batch_descriptor=plan.descriptor,
+        )
+
+    # ---- capture ------------------------------------------------------------------------
+    def capture(self) -> None:
+        if not self.enabled:
+            return
+        model = self.executor.model
+        self.wrapper = CudaGraphWrapper(model)
+        start = time.perf_counter()
+        free_before = torch.cuda.mem_get_info()[0]
+        for size in sorted(self.capture_sizes, reverse=True):  # largest first: pool reuse
+            desc = BatchDescriptor("FULL", size, size)
+            self.wrapper.capture(desc, lambda s=size, d=desc: self._dummy_decode_forward(s, d))
+        # From now on the executor's model call goes through the wrapper.
+        self.executor.model_call = self.wrapper
+        torch.cuda.synchronize()
+        used = free_before - torch.cuda.mem_get_info()[0]
+        logger.info(
+            "V1 captured %d FULL graphs (sizes %d..%d) in %.2f s, %.1f MB of graph memory",
+            len(self.capture_sizes), self.capture_sizes[0], self.capture_sizes[-1],
+            time.perf_counter() - start, used / 1e6,
+        )
+
+    def _dummy_decode_forward(self, size: int, desc: BatchDescriptor) -> torch.Tensor:
+        """A uniform decode of `size` rows over the persistent buffers. Slots are PAD and
+        block-table rows zero, so capture writes nothing into the KV cache."""
+        b = self.buffers
+        b.input_ids.gpu[:size].zero_()
+        b.positions.gpu[:size].zero_()
+        b.query_start_loc.gpu[: size + 1].copy_(torch.arange(size + 1, dtype=torch.int32))
+        b.seq_lens.gpu[:size].fill_(1)
+        slot_mapping = self.input_batch.block_table.slot_mapping.gpu
+        slot_mapping[:size].fill_(PAD_SLOT_ID)
+        block_table = self.input_batch.block_table.block_table.gpu
+        common = CommonAttentionMetadata(
+            query_start_loc=b.query_start_loc.gpu[: size + 1],
+            seq_lens=b.seq_lens.gpu[:size],
+            block_table=block_table[:size],
+            slot_mapping=slot_mapping[:size],
+            num_reqs=size,
+            num_actual_tokens=size,
+            max_query_len=1,
+            max_seq_len=self.max_model_len,
+            num_decodes=size,
+            num_prefills=0,
+            num_decode_tokens=size,
+            block_size=self.executor.block_size,
+        )
+        attn_metadata = self.executor.build_attn_metadata(common)
+        return self.executor.forward(
+            b.input_ids.gpu[:size], b.positions.gpu[:size], attn_metadata, size,
+            cudagraph_mode="FULL", batch_descriptor=None,  # None: run, do not replay
+        )

@@ -1,0 +1,448 @@
+"""V1's persistent batch: per-request state in dense, row-indexed host arrays.
+
+Row = batch position. Live rows are 0..num_reqs-1 once `condense()` has run; between a
+removal and the next condense a removed row is a hole (None in `req_ids`). The
+attention inputs, the block-table copy and the sampler all read the prefix
+[0, num_reqs), which is why the batch must stay dense and why every per-row field must
+move with its request. Those fields are listed once, in `ROW_FIELDS`; condense and
+swap_states iterate over that list (a test enumerates the instance's row-indexed arrays
+and fails when one is missing from it).
+"""
+
+from __future__ import annotations
+
+import heapq
+import secrets
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from runner_v1.batch_update import BatchUpdate, BatchUpdateBuilder, MoveDirectionality
+from runner_v1.block_table import BlockTable
+from runner_v1.buffers import CpuGpuBuffer, make_cpu_tensor
+from runner_v1.sampling_metadata import SamplingMetadata
+from shared.sampling_params import SamplingParams
+from shared.step import NewRequestData
+
+
+@dataclass
+class CachedRequestState:
+    """The runner's own copy of a request, kept while the request lives (also while it
+    is scheduled out of the batch), so that it can be put back into a row."""
+
+    req_id: str
+    prompt_token_ids: list[int]  # the prefill: user prompt + outputs from before a preemption
+    prompt_len: int  # the user prompt's length; penalties / min_tokens count the rest as output
+    sampling_params: SamplingParams
+    eos_token_id: int | None
+    block_ids: list[int]
+    num_computed_tokens: int
+    # None -> the resumed outputs inside the prefill. The runner appends sampled tokens.
+    output_token_ids: list[int] | None = None
+    # None -> sampling_params.seed, else a random seed drawn once and kept with the request.
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        resumed = self.prompt_token_ids[self.prompt_len :]
+        if self.output_token_ids is None:
+            self.output_token_ids = list(resumed)
+        elif self.output_token_ids[: len(resumed)] != resumed:
+            raise ValueError(
+                f"request {self.req_id!r}: output_token_ids must start with the resumed "
+                "outputs carried in prompt_token_ids[prompt_len:]"
+            )
+        if self.seed is None:
+            # The engine assigns seeds at admission; this keeps a direct caller working.
+            seed = self.sampling_params.seed
+            self.seed = seed if seed is not None else secrets.randbits(63)
+
+    @classmethod
+    def from_new_request(
+        cls, new_req: NewRequestData, eos_token_id: int | None
+    ) -> CachedRequestState:
+        return cls(
+            req_id=new_req.req_id,
+            prompt_token_ids=list(new_req.prompt_token_ids),
+            prompt_len=new_req.prompt_len,
+            sampling_params=new_req.sampling_params,
+            eos_token_id=eos_token_id,
+            block_ids=list(new_req.block_ids),
+            num_computed_tokens=new_req.num_computed_tokens,
+        )
+
+    @property
+    def num_tokens(self) -> int:
+        return self.prompt_len + len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids[: self.prompt_len] + self.output_token_ids
+
+
+# Every row-indexed field of InputBatch, by attribute name. condense() and swap_states()
+# move exactly these; add a field here when you add one to __init__.
+ROW_FIELDS: tuple[str, ...] = (
+    "_req_ids",
+    "req_output_token_ids",
+    "stop_token_ids",
+    "token_ids",
+    "num_tokens",
+    "num_prompt_tokens",
+    "num_computed_tokens",
+    "temperature",
+    "top_k",
+    "top_p",
+    "min_p",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "seeds",
+    "min_tokens",
+    "num_logprobs",
+    "eos_token_id",
+    "block_table",
+)
+# Fields whose valid part is a row prefix of the given length: only the prefix moves
+# (the token table is max_model_len wide, and a row past num_tokens is never read).
+ROW_PREFIX_COUNTS: dict[str, str] = {"token_ids": "num_tokens"}
+
+
+class InputBatch:
+    ROW_FIELDS = ROW_FIELDS
+    ROW_PREFIX_COUNTS = ROW_PREFIX_COUNTS
+
+    def __init__(
+        self,
+        max_num_reqs: int,
+        max_model_len: int,
+        max_num_batched_tokens: int,
+        vocab_size: int,
+        block_size: int,
+        device: torch.device | str,
+    ) -> None:
+        self.max_num_reqs = max_num_reqs
+        self.max_model_len = max_model_len
+        self.vocab_size = vocab_size
+        self.device = torch.device(device)
+        R = max_num_reqs
+
+        self._req_ids: list[str | None] = [None] * R
+        self.req_id_to_index: dict[str, int] = {}
+        # References to the requests' generated-token lists (the sampler's penalties).
+        self.req_output_token_ids: list[list[int] | None] = [None] * R
+        self.stop_token_ids: list[tuple[int, ...] | None] = [None] * R
+
+        # The token table is never copied to the device as a whole (input prep gathers
+        # from it into a pinned buffer), so it is not pinned: pinning R x max_model_len
+        # int32 would lock up to hundreds of MiB. `token_ids_cpu` is the same memory.
+        self.token_ids_cpu = make_cpu_tensor(R, max_model_len, dtype=torch.int32, pin_memory=False)
+        self.token_ids: np.ndarray = self.token_ids_cpu.numpy()
+        # Host-only counters (read by NumPy input prep, never copied as they are).
+        self.num_tokens = np.zeros(R, dtype=np.int32)  # prefill + generated, per row
+        self.num_prompt_tokens = np.zeros(R, dtype=np.int32)  # the USER prompt length
+        self.num_computed_tokens = np.zeros(R, dtype=np.int32)
+
+        # Sampling values: pinned host + device, copied when the metadata is rebuilt.
+        def buffer(dtype: torch.dtype) -> CpuGpuBuffer:
+            return CpuGpuBuffer(R, dtype=dtype, device=self.device)
+
+        self.temperature = buffer(torch.float32)
+        self.top_k = buffer(torch.int32)  # 0 = off
+        self.top_p = buffer(torch.float32)
+        self.min_p = buffer(torch.float32)
+        self.presence_penalty = buffer(torch.float32)
+        self.frequency_penalty = buffer(torch.float32)
+        self.repetition_penalty = buffer(torch.float32)
+        self.seeds = buffer(torch.int64)
+        self.min_tokens = np.zeros(R, dtype=np.int32)
+        self.num_logprobs = np.full(R, -1, dtype=np.int32)  # -1 = no logprobs
+        self.eos_token_id = np.full(R, -1, dtype=np.int32)  # -1 = none, or ignore_eos
+
+        self.block_table = BlockTable(
+            R, -(-max_model_len // block_size), max_num_batched_tokens, block_size, self.device
+        )
+
+        self._num_rows = 0  # rows in use, holes included
+        self._free_rows: list[int] = []  # heap of holes: add_request takes the lowest
+        self.batch_update_builder = BatchUpdateBuilder()
+        self.last_batch_update: BatchUpdate | None = None
+        self._sampling_metadata: SamplingMetadata | None = None  # None = batch changed
+        self._bind_row_fields()
+
+    def _bind_row_fields(self) -> None:
+        """Sort ROW_FIELDS by how a row is moved; done once so moves stay cheap."""
+        self._row_lists: list[list] = []
+        self._row_arrays: list[np.ndarray] = []
+        self._row_prefix_arrays: list[tuple[np.ndarray, np.ndarray]] = []
+        self._row_tables: list[BlockTable] = []
+        for name in self.ROW_FIELDS:
+            value = getattr(self, name)
+            if isinstance(value, BlockTable):
+                self._row_tables.append(value)
+                continue
+            if isinstance(value, list):
+                self._row_lists.append(value)
+                continue
+            array = value.np if isinstance(value, CpuGpuBuffer) else value
+            assert isinstance(array, np.ndarray) and array.shape[0] == self.max_num_reqs, name
+            if name in self.ROW_PREFIX_COUNTS:
+                counts = getattr(self, self.ROW_PREFIX_COUNTS[name])
+                self._row_prefix_arrays.append((array, counts))
+            else:
+                self._row_arrays.append(array)
+
+    # ---- views ------------------------------------------------------------------------
+
+    @property
+    def num_reqs(self) -> int:
+        return len(self.req_id_to_index)
+
+    @property
+    def req_ids(self) -> list[str | None]:
+        """Row -> request id for the rows in use; None marks a hole until condense()."""
+        return self._req_ids[: self._num_rows]
+
+    @property
+    def has_holes(self) -> bool:
+        return bool(self._free_rows)
+
+    # ---- add / remove -----------------------------------------------------------------
+
+    def add_request(self, request: CachedRequestState) -> int:
+        """Put a request in the lowest hole, else after the last row; returns its row."""
+        req_id = request.req_id
+        if req_id in self.req_id_to_index:
+            raise ValueError(
+                f"request {req_id!r} is already at row {self.req_id_to_index[req_id]}; an "
+                "aborted-then-resubmitted id must be removed before it is added again"
+            )
+        tokens = request.all_token_ids
+        if len(tokens) > self.max_model_len:
+            raise ValueError(f"request {req_id!r} has {len(tokens)} tokens > max_model_len")
+        if self._free_rows:
+            row = heapq.heappop(self._free_rows)
+        elif self._num_rows < self.max_num_reqs:
+            row = self._num_rows
+            self._num_rows += 1
+        else:
+            raise RuntimeError(f"InputBatch is full ({self.max_num_reqs} rows)")
+
+        self._req_ids[row] = req_id
+        self.req_id_to_index[req_id] = row
+        self.req_output_token_ids[row] = request.output_token_ids
+        # Columns past num_tokens keep an older request's tokens; nothing reads them.
+        self.token_ids[row, : len(tokens)] = tokens
+        self.num_tokens[row] = len(tokens)
+        self.num_prompt_tokens[row] = request.prompt_len
+        self.num_computed_tokens[row] = request.num_computed_tokens
+        self._write_sampling_row(row, request)
+        self.block_table.add_row(request.block_ids, row)
+
+        self.batch_update_builder.added(
+            row, req_id, request.sampling_params, request.output_token_ids
+        )
+        return row
+
+    def _write_sampling_row(self, row: int, request: CachedRequestState) -> None:
+        # Every sampling field is written on every add: the row may hold a stale request.
+        sp = request.sampling_params
+        self.temperature.np[row] = sp.temperature
+        # top_k >= vocab_size keeps every token: store it as "off" so the row does not
+        # switch the whole batch onto the top-k path.
+        self.top_k.np[row] = sp.top_k if 0 < sp.top_k < self.vocab_size else 0
+        self.top_p.np[row] = sp.top_p
+        self.min_p.np[row] = sp.min_p
+        self.presence_penalty.np[row] = sp.presence_penalty
+        self.frequency_penalty.np[row] = sp.frequency_penalty
+        self.repetition_penalty.np[row] = sp.repetition_penalty
+        self.seeds.np[row] = request.seed
+        self.min_tokens[row] = sp.min_tokens
+        self.num_logprobs[row] = -1 if sp.logprobs is None else sp.logprobs
+        eos = request.eos_token_id
+        self.eos_token_id[row] = -1 if eos is None or sp.ignore_eos else eos
+        self.stop_token_ids[row] = tuple(sp.stop_token_ids)
+
+    def remove_request(self, req_id: str) -> int | None:
+        """Empty the request's row (a hole until condense()); returns the row or None."""
+        row = self.req_id_to_index.pop(req_id, None)
+        if row is None:
+            return None
+        self._req_ids[row] = None
+        self.req_output_token_ids[row] = None
+        self.stop_token_ids[row] = None
+        # The blocks go back to the pool now; if this row ends up past num_reqs it is a
+        # padded row of a graph batch and must not name blocks someone else will own.
+        self.block_table.clear_row(row)
+        heapq.heappush(self._free_rows, row)
+        self.batch_update_builder.removed(row)
+        self._sampling_metadata = None
+        return row
+
+    # ---- moving rows ------------------------------------------------------------------
+
+    def condense(self) -> None:
+        """Move the highest occupied row into each hole, lowest hole first, until the
+        live rows are exactly 0..num_reqs-1."""
+        if not self._free_rows:
+            return
+        num_reqs = self.num_reqs
+        last = self._num_rows - 1
+        for hole in sorted(self._free_rows):
+            if hole >= num_reqs:
+                break  # this hole and all later ones lie in the trimmed tail
+            while self._req_ids[last] is None:
+                last -= 1
+            self._move_row(last, hole)
+            last -= 1
+        self._free_rows = []
+        self._num_rows = num_reqs
+
+    def _move_row(self, src: int, dst: int) -> None:
+        req_id = self._req_ids[src]
+        for array, counts in self._row_prefix_arrays:
+            n = counts[src]
+            array[dst, :n] = array[src, :n]
+        for array in self._row_arrays:
+            array[dst] = array[src]
+        for values in self._row_lists:
+            values[dst] = values[src]
+            values[src] = None
+        for table in self._row_tables:
+            table.move_row(src, dst)
+        self.req_id_to_index[req_id] = dst
+        self.batch_update_builder.moved(src, dst, MoveDirectionality.UNIDIRECTIONAL)
+        self._sampling_metadata = None
+
+    def swap_states(self, i: int, j: int) -> None:
+        """Exchange two occupied rows, every field included."""
+        if i == j:
+            return
+        id_i, id_j = self._req_ids[i], self._req_ids[j]
+        if id_i is None or id_j is None:
+            raise ValueError(f"swap_states({i}, {j}): both rows must hold a request")
+        # Fancy indexing copies the right-hand side first. A tuple swap of row views
+        # (a[i], a[j] = a[j], a[i]) would leave both rows equal to the old row j.
+        for array, counts in self._row_prefix_arrays:  # before the counts are swapped
+            n = max(counts[i], counts[j])
+            array[[i, j], :n] = array[[j, i], :n]
+        for array in self._row_arrays:
+            array[[i, j]] = array[[j, i]]
+        for values in self._row_lists:
+            values[i], values[j] = values[j], values[i]
+        for table in self._row_tables:
+            table.swap_row(i, j)
+        self.req_id_to_index[id_i] = j
+        self.req_id_to_index[id_j] = i
+        self.batch_update_builder.moved(i, j, MoveDirectionality.SWAP)
+        self._sampling_metadata = None
+
+    def reorder_decodes_first(self, num_scheduled_tokens: dict[str, int]) -> int:
+        """Stable partition of the rows: query length 1 (decodes) first, the rest after,
+        each group in its current order. Returns the number of decode rows."""
+        self._require_dense("reorder_decodes_first")
+        n = self.num_reqs
+        query_lens = np.fromiter(
+            (num_scheduled_tokens[r] for r in self._req_ids[:n]), dtype=np.int64, count=n
+        )
+        is_decode = query_lens == 1
+        num_decodes = int(is_decode.sum())
+        if is_decode[:num_decodes].all():
+            return num_decodes  # already ordered: the steady decode state, no swaps
+        target = np.concatenate([np.flatnonzero(is_decode), np.flatnonzero(~is_decode)])
+        # Follow the permutation with swaps; a loop over requests, not tokens.
+        row_of = list(range(n))  # original row -> current row
+        orig_at = list(range(n))  # current row -> original row
+        for k, orig in enumerate(target.tolist()):
+            cur = row_of[orig]
+            if cur != k:
+                self.swap_states(k, cur)
+                displaced = orig_at[k]
+                orig_at[k], orig_at[cur] = orig, displaced
+                row_of[orig], row_of[displaced] = k, cur
+        return num_decodes
+
+    def _require_dense(self, what: str) -> None:
+        if self._free_rows:
+            raise RuntimeError(f"{what}: the batch has holes; call condense() first")
+
+    # ---- per-step updates -------------------------------------------------------------
+
+    def append_output_tokens(self, rows_np: np.ndarray, token_ids_np: np.ndarray) -> None:
+        """Write one sampled token per given row into the token table (vectorised).
+        The caller appends the same tokens to the requests' output lists."""
+        cols = self.num_tokens[rows_np]
+        self.token_ids[rows_np, cols] = token_ids_np
+        self.num_tokens[rows_np] = cols + 1
+
+    # ---- sampling metadata --------------------------------------------------------------
+
+    def refresh_sampling_metadata(self) -> SamplingMetadata:
+        """The sampler's view of the batch. Rebuilt (and copied to the device) only when
+        rows changed since the last build; the output-count-dependent part is refreshed
+        on every call. Also emits this step's BatchUpdate into `last_batch_update`."""
+        self._require_dense("refresh_sampling_metadata")
+        self.last_batch_update = self.batch_update_builder.get_and_reset(self.num_reqs)
+        if self._sampling_metadata is None:
+            self._sampling_metadata = self._make_sampling_metadata()
+        self._sampling_metadata.min_tokens_stop_ids = self.compute_min_tokens_stop_ids()
+        return self._sampling_metadata
+
+    def compute_min_tokens_stop_ids(self) -> dict[int, list[int]]:
+        """Rows that have generated fewer than min_tokens -> token ids to mask (stop ids,
+        and EOS unless ignored). Cheap when no row uses min_tokens."""
+        n = self.num_reqs
+        min_tokens = self.min_tokens[:n]
+        if not min_tokens.any():
+            return {}
+        num_output = self.num_tokens[:n] - self.num_prompt_tokens[:n]
+        result: dict[int, list[int]] = {}
+        for row in np.flatnonzero(num_output < min_tokens).tolist():
+            ids = list(self.stop_token_ids[row])
+            if self.eos_token_id[row] >= 0:
+                ids.append(int(self.eos_token_id[row]))
+            if ids:
+                result[row] = ids
+        return result
+
+    def _make_sampling_metadata(self) -> SamplingMetadata:
+        n = self.num_reqs
+        temperature = self.temperature.np[:n]
+
+        def copied_if(buf: CpuGpuBuffer, used: bool) -> torch.Tensor | None:
+            return buf.copy_to_gpu(n) if used else None
+
+        no_penalties = not (
+            self.presence_penalty.np[:n].any()
+            or self.frequency_penalty.np[:n].any()
+            or (self.repetition_penalty.np[:n] != 1.0).any()
+        )
+        num_logprobs = self.num_logprobs[:n].tolist()
+        max_num_logprobs = max(num_logprobs, default=-1)
+        return SamplingMetadata(
+            num_reqs=n,
+            temperature=self.temperature.copy_to_gpu(n),
+            all_greedy=bool((temperature == 0.0).all()),
+            all_random=bool((temperature != 0.0).all()),
+            top_k=copied_if(self.top_k, bool(self.top_k.np[:n].any())),
+            top_p=copied_if(self.top_p, bool((self.top_p.np[:n] < 1.0).any())),
+            min_p=copied_if(self.min_p, bool((self.min_p.np[:n] > 0.0).any())),
+            seeds=self.seeds.copy_to_gpu(n),
+            presence_penalty=copied_if(self.presence_penalty, not no_penalties),
+            frequency_penalty=copied_if(self.frequency_penalty, not no_penalties),
+            repetition_penalty=copied_if(self.repetition_penalty, not no_penalties),
+            prompt_token_ids=None if no_penalties else self._make_prompt_token_ids(n),
+            output_token_ids=list(self.req_output_token_ids[:n]),
+            num_logprobs=num_logprobs,
+            max_num_logprobs=max_num_logprobs if max_num_logprobs >= 0 else None,
+            min_tokens_stop_ids={},
+        )
+
+    def _make_prompt_token_ids(self, n: int) -> torch.Tensor:
+        """User-prompt tokens per row, padded with vocab_size (a bin past the vocabulary,
+        so padding never counts as a real token). Resumed outputs are not prompt."""
+        prompt_lens = self.num_prompt_tokens[:n]
+        width = int(prompt_lens.max()) if n else 0
+        prompt = self.token_ids[:n, :width].astype(np.int64)
+        prompt[np.arange(width)[None, :] >= prompt_lens[:, None]] = self.vocab_size
+        return torch.from_numpy(prompt).to(self.device, non_blocking=True)

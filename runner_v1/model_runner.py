@@ -1,0 +1,224 @@
+"""V1 model runner: the dense persistent batch.
+
+The step is a thin spine: update the persistent batch (four ordered phases), prepare
+inputs in NumPy into pinned buffers, forward (eager or an implicitly dispatched CUDA
+graph), sample with PyTorch ops, write the sampled tokens back into the batch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from runner_v1.cudagraph import V1CudaGraphs
+from runner_v1.input_batch import CachedRequestState, InputBatch
+from runner_v1.prepare_inputs import InputBuffers, PreparedInputs, prepare_inputs
+from runner_v1.sampler import Sampler, SamplerOutput
+from runner_v1.sampling_metadata import SamplingMetadata
+from shared.model_executor import ModelExecutor
+from shared.step import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
+from shared.step_timing import StageTimer, StepStats
+
+logger = logging.getLogger("runnerlab")
+
+
+@dataclass
+class _ExecuteState:
+    """What execute_model leaves for sample_tokens (vLLM's ExecuteModelState)."""
+
+    inputs: PreparedInputs
+    hidden_states: torch.Tensor
+    sampling_metadata: SamplingMetadata
+    req_ids: list[str]
+
+
+class GPUModelRunner:
+    runner_name = "v1"
+
+    def __init__(self, config: Any, device: torch.device):
+        self.config = config
+        self.device = device
+        sc = config.scheduler_config
+        self.max_num_reqs = sc.max_num_seqs
+        self.max_num_tokens = sc.max_num_batched_tokens
+        self.block_size = config.cache_config.block_size
+        self.executor = ModelExecutor(config, device)
+        self.input_batch = InputBatch(
+            self.max_num_reqs, sc.max_model_len, self.max_num_tokens,
+            config.model_config.vocab_size, self.block_size, device,
+        )
+        self.buffers = InputBuffers(self.max_num_reqs, self.max_num_tokens, device)
+        self.requests: dict[str, CachedRequestState] = {}
+        self.sampler = Sampler()
+        self.timer = StageTimer("runner_v1", use_cuda_events=device.type == "cuda")
+        self.graphs = V1CudaGraphs(config, device, self.executor, self.buffers, self.input_batch)
+        # Guards the pinned input buffers: the previous step's non_blocking H2D copies
+        # out of them must be done before NumPy overwrites them (V1's async barrier).
+        self.prepare_inputs_event = torch.cuda.Event() if device.type == "cuda" else None
+        self._state: _ExecuteState | None = None
+
+    # ---- runner protocol: set-up ------------------------------------------------------
+    def load_model(self) -> None:
+        self.executor.load_model()
+
+    def determine_num_blocks(self) -> int:
+        return self.executor.determine_num_blocks(self._profile_run)
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        self.executor.initialize_kv_cache(num_blocks)
+
+    def capture_model(self) -> None:
+        self.graphs.capture()
+
+    @property
+    def step_stats(self) -> StepStats:
+        return self.timer.stats
+
+    def _profile_run(self) -> None:
+        """The largest forward the engine will run, without touching a KV cache."""
+        n = self.max_num_tokens
+        ids = torch.zeros(n, dtype=torch.int32, device=self.device)
+        pos = torch.arange(n, dtype=torch.int64, device=self.device) % 16
+        hidden = self.executor.forward(ids, pos, None, n)
+        self.executor.compute_logits(hidden[: self.max_num_reqs])
+
+    # ---- runner protocol: a step ------------------------------------------------------
+    @contextlib.contextmanager
+    def synchronize_input_prep(self) -> Iterator[None]:
+        if self.prepare_inputs_event is not None:
+            self.prepare_inputs_event.synchronize()
+        try:
+            yield
+        finally:
+            if self.prepare_inputs_event is not None:
+                self.prepare_inputs_event.record()
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> None:
+        so = scheduler_output
+        self.timer.begin_step(so.num_reqs, so.total_num_scheduled_tokens)
+        with self.timer.stage("preprocess"), self.synchronize_input_prep():
+            self._update_states(so)
+            if so.total_num_scheduled_tokens == 0:
+                self._state = None  # finishes and adds applied; nothing to run
+                return None
+            batch = self.input_batch
+            req_ids = list(batch.req_ids)
+            num_scheduled = np.fromiter(
+                (so.num_scheduled_tokens[r] for r in req_ids), dtype=np.int32, count=len(req_ids)
+            )
+            plan = self.graphs.dispatch(num_scheduled)
+            inputs = prepare_inputs(
+                batch, num_scheduled, self.buffers, plan.num_tokens_padded, plan.num_reqs_padded
+            )
+            attn_metadata = None
+            if plan.mode != "FULL":  # a FULL replay reads the persistent buffers directly
+                common = inputs.common_attn_metadata(
+                    batch.block_table.block_table.gpu, self.block_size
+                )
+                attn_metadata = self.executor.build_attn_metadata(common)
+            sampling_metadata = batch.refresh_sampling_metadata()
+        self.timer.stats.cudagraph_mode = plan.mode
+        with self.timer.stage("forward"):
+            hidden = self.graphs.run(plan, inputs, attn_metadata)
+        self._state = _ExecuteState(inputs, hidden, sampling_metadata, req_ids)
+        return None
+
+    def sample_tokens(self, grammar_output: Any = None) -> ModelRunnerOutput:
+        state, self._state = self._state, None
+        if state is None:
+            return ModelRunnerOutput.empty()
+        inputs = state.inputs
+        with self.timer.stage("sample"):
+            hidden = state.hidden_states[inputs.logits_indices]
+            logits = self.executor.compute_logits(hidden)
+            # the position of each logit's input token: the seeded noise is keyed by it
+            positions = inputs.positions[inputs.logits_indices]
+            sampler_output = self.sampler(logits, state.sampling_metadata, positions)
+        with self.timer.stage("postprocess"):
+            output = self._bookkeeping(state, sampler_output)
+        return output
+
+    # ---- the four ordered phases ------------------------------------------------------
+    def _update_states(self, so: SchedulerOutput) -> None:
+        batch = self.input_batch
+        # 1. Finished and aborted (and preempted: they come back as new requests, with
+        #    their generated tokens in the prefill). Done first: an id may be finished
+        #    and scheduled new in one step (abort then resubmit), two distinct requests.
+        for req_id in so.finished_req_ids | so.preempted_req_ids:
+            self.requests.pop(req_id, None)
+            batch.remove_request(req_id)
+        # 2. In the batch but not scheduled this step: free the row, keep the state.
+        scheduled = so.num_scheduled_tokens
+        for req_id in [r for r in batch.req_ids if r is not None and r not in scheduled]:
+            batch.remove_request(req_id)
+        # 3. New and resumed requests.
+        to_add: list[CachedRequestState] = []
+        for new in so.scheduled_new_reqs:
+            state = CachedRequestState.from_new_request(new, new.eos_token_id)
+            self.requests[new.req_id] = state
+            to_add.append(state)
+        # 4. Cached requests: counts and new blocks; re-add those not in the batch.
+        cached = so.scheduled_cached_reqs
+        for req_id, new_blocks, num_computed in zip(
+            cached.req_ids, cached.new_block_ids, cached.num_computed_tokens
+        ):
+            state = self.requests[req_id]
+            state.num_computed_tokens = num_computed
+            state.block_ids.extend(new_blocks)
+            row = batch.req_id_to_index.get(req_id)
+            if row is None:
+                to_add.append(state)
+                continue
+            batch.num_computed_tokens[row] = num_computed
+            batch.block_table.append_row(new_blocks, row)
+        for state in to_add:
+            batch.add_request(state)
+        batch.condense()
+        batch.reorder_decodes_first(scheduled)
+
+    # ---- after sampling -----------------------------------------------------------------
+    def _bookkeeping(self, state: _ExecuteState, out: SamplerOutput) -> ModelRunnerOutput:
+        inputs, req_ids = state.inputs, state.req_ids
+        num_reqs = inputs.num_reqs
+        sampled = out.sampled_token_ids.cpu().numpy()  # the step's one sync
+        batch = self.input_batch
+        # A row samples only when its chunk reaches the end of what it has to prefill;
+        # a partial prefill chunk's token is computed and dropped.
+        seq_lens = inputs.seq_lens_cpu[:num_reqs].numpy()
+        is_sampled = seq_lens >= batch.num_tokens[:num_reqs]
+        rows = np.flatnonzero(is_sampled)
+        batch.append_output_tokens(rows, sampled[rows])
+        sampled_lists: list[list[int]] = [[] for _ in range(num_reqs)]
+        for row, token in zip(rows.tolist(), sampled[rows].tolist()):
+            self.requests[req_ids[row]].output_token_ids.append(token)
+            sampled_lists[row] = [token]
+        logprobs = self._logprobs_lists(state.sampling_metadata, out, is_sampled)
+        return ModelRunnerOutput(
+            req_ids=req_ids,
+            req_id_to_index={r: i for i, r in enumerate(req_ids)},
+            sampled_token_ids=sampled_lists,
+            logprobs=logprobs,
+        )
+
+    @staticmethod
+    def _logprobs_lists(
+        metadata: SamplingMetadata, out: SamplerOutput, is_sampled: np.ndarray
+    ) -> list[TokenLogprobs | None] | None:
+        if out.logprobs is None:
+            return None
+        ids = out.logprob_token_ids.cpu().tolist()
+        lps = out.logprobs.cpu().tolist()
+        ranks = out.ranks.cpu().tolist()
+        result: list[TokenLogprobs | None] = []
+        for row, n in enumerate(metadata.num_logprobs):
+            if n < 0 or not is_sampled[row]:
+                result.append(None)
+                continue
+            result.append(TokenLogprobs(ids[row][: 1 + n], lps[row][: 1 + n], ranks[row]))
+        return result

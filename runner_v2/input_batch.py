@@ -1,0 +1,302 @@
+"""V2 input prep: persistent input buffers, the per-step InputBatch, and the Triton
+kernels that build positions, seq_lens, input_ids and logits_indices on the device.
+
+The host computes only what it knows exactly and cheaply (the batch order, idx_mapping
+and query_start_loc, from the scheduler's token counts). Everything that depends on
+per-request progress reads the DEVICE state (num_computed_tokens, last_sampled_tokens),
+so a decode's input token never makes a CPU round trip.
+
+Padding rules (CUDA graphs replay over padded sizes; see CommonAttentionMetadata):
+- query_start_loc past the real rows repeats the real token count (non-decreasing),
+- seq_lens past the real rows is 0 in the whole persistent buffer (a padded row attends
+  to nothing, whatever graph size reads it),
+- input_ids / positions past num_tokens keep stale values from earlier steps: harmless,
+  because their slot_mapping entries are PAD (no KV write), no real row's query range
+  covers them, and padded rows are never sampled.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from runner_v2.states import RequestState
+from runner_v2.uva import async_copy_to_device
+from shared.triton_utils import tl, triton
+
+_BLOCK = 1024
+
+
+class InputBuffers:
+    """Persistent device buffers the model (and a captured graph) reads. Their
+    addresses never change; each step writes a prefix and views it."""
+
+    def __init__(self, max_num_reqs: int, max_num_tokens: int, device: torch.device | str):
+        self.max_num_reqs = max_num_reqs
+        self.max_num_tokens = max_num_tokens
+        self.device = torch.device(device)
+        kw = {"device": self.device}
+        self.input_ids = torch.zeros(max_num_tokens, dtype=torch.int32, **kw)
+        self.positions = torch.zeros(max_num_tokens, dtype=torch.int64, **kw)
+        self.query_start_loc = torch.zeros(max_num_reqs + 1, dtype=torch.int32, **kw)
+        self.seq_lens = torch.zeros(max_num_reqs, dtype=torch.int32, **kw)
+        self.logits_indices = torch.zeros(max_num_reqs, dtype=torch.int32, **kw)
+        self.idx_mapping = torch.zeros(max_num_reqs, dtype=torch.int32, **kw)
+
+
+@dataclass(frozen=True)
+class InputBatch:
+    """One step's batch: views of InputBuffers plus host-side sizes."""
+
+    req_ids: list[str]  # batch order
+    num_reqs: int
+    num_reqs_padded: int
+    num_tokens: int
+    num_tokens_padded: int
+    idx_mapping: torch.Tensor  # int32 [num_reqs], device: batch position -> state row
+    idx_mapping_np: np.ndarray  # int32 [num_reqs]
+    num_scheduled_tokens_np: np.ndarray  # int32 [num_reqs]
+    query_start_loc: torch.Tensor  # int32 [num_reqs_padded + 1], device
+    query_start_loc_np: np.ndarray  # int32 [num_reqs_padded + 1]
+    seq_lens: torch.Tensor  # int32 [num_reqs_padded], device (exact)
+    seq_lens_np: np.ndarray  # int32 [num_reqs_padded], host upper bound, 0 when padded
+    max_query_len: int
+    max_seq_len: int  # host upper bound
+    input_ids: torch.Tensor  # int32 [num_tokens_padded], device
+    positions: torch.Tensor  # int64 [num_tokens_padded], device
+    logits_indices: torch.Tensor  # int32 [num_reqs], device: last token of each row
+    num_decodes: int  # leading rows with query length 1
+    num_decode_tokens: int
+    is_uniform_decode: bool  # every row has query length 1
+
+
+def sort_batch_req_ids(
+    req_ids: Sequence[str], num_scheduled_tokens: Mapping[str, int]
+) -> list[str]:
+    """Uniform decodes (query length 1) first, then ascending query length; stable, so
+    ties keep the scheduler's order. Attention backends split decodes from prefills
+    by assuming decode-like rows lead."""
+    return sorted(req_ids, key=lambda r: (num_scheduled_tokens[r] != 1, num_scheduled_tokens[r]))
+
+
+def gather_batch_req_state(
+    num_scheduled_tokens: Mapping[str, int], state: RequestState
+) -> tuple[list[str], np.ndarray, np.ndarray]:
+    """Batch order, idx_mapping (int32, batch position -> state row) and the query
+    lengths in that order, from the scheduler's {req_id: num_tokens}."""
+    req_ids = sort_batch_req_ids(list(num_scheduled_tokens), num_scheduled_tokens)
+    idx_mapping_np = np.fromiter(
+        (state.req_id_to_index[r] for r in req_ids), dtype=np.int32, count=len(req_ids)
+    )
+    nst = np.fromiter(
+        (num_scheduled_tokens[r] for r in req_ids), dtype=np.int32, count=len(req_ids)
+    )
+    return req_ids, idx_mapping_np, nst
+
+
+# ---- kernels ------------------------------------------------------------------------
+
+
+@triton.jit
+def _prepare_pos_seq_lens_kernel(
+    positions_ptr,  # [max_num_tokens] int64
+    seq_lens_ptr,  # [max_num_reqs] int32
+    idx_mapping_ptr,  # [num_reqs] int32
+    query_start_loc_ptr,  # [num_reqs + 1] int32
+    num_computed_ptr,  # [max_num_reqs] int32, by state row (device truth)
+    num_reqs,
+    max_num_reqs,
+    BLOCK: tl.constexpr,
+):
+    b = tl.program_id(0)
+    if b < num_reqs:
+        row = tl.load(idx_mapping_ptr + b)
+        num_computed = tl.load(num_computed_ptr + row)
+        start = tl.load(query_start_loc_ptr + b)
+        end = tl.load(query_start_loc_ptr + b + 1)
+        tl.store(seq_lens_ptr + b, num_computed + end - start)
+        for off in range(start, end, BLOCK):
+            offs = off + tl.arange(0, BLOCK)
+            pos = num_computed + (offs - start)
+            tl.store(positions_ptr + offs, pos.to(tl.int64), mask=offs < end)
+    else:
+        # The extra program zeroes the whole padded tail, so any graph size that
+        # reads past num_reqs sees seq_len 0 (not a previous step's length).
+        for off in range(num_reqs, max_num_reqs, BLOCK):
+            offs = off + tl.arange(0, BLOCK)
+            zeros = tl.zeros([BLOCK], dtype=tl.int32)
+            tl.store(seq_lens_ptr + offs, zeros, mask=offs < max_num_reqs)
+
+
+@triton.jit
+def _prepare_prefill_inputs_kernel(
+    input_ids_ptr,  # [max_num_tokens] int32
+    all_token_ids_ptr,  # [max_num_reqs, max_model_len] int32 (UVA on CUDA)
+    all_token_ids_stride,
+    idx_mapping_ptr,  # [num_reqs] int32
+    query_start_loc_ptr,  # [num_reqs + 1] int32
+    num_computed_ptr,  # [max_num_reqs] int32
+    prefill_len_ptr,  # [max_num_reqs] int32
+    BLOCK: tl.constexpr,
+):
+    b = tl.program_id(0)
+    row = tl.load(idx_mapping_ptr + b)
+    num_computed = tl.load(num_computed_ptr + row)
+    prefill_len = tl.load(prefill_len_ptr + row)
+    if num_computed < prefill_len:
+        start = tl.load(query_start_loc_ptr + b)
+        end = tl.load(query_start_loc_ptr + b + 1)
+        # Only prefill positions; a position >= prefill_len is a sampled token and
+        # comes from last_sampled_tokens (_combine_sampled_kernel).
+        n = tl.minimum(end - start, prefill_len - num_computed)
+        src = all_token_ids_ptr + row.to(tl.int64) * all_token_ids_stride + num_computed
+        for off in range(0, n, BLOCK):
+            offs = off + tl.arange(0, BLOCK)
+            mask = offs < n
+            tok = tl.load(src + offs, mask=mask)
+            tl.store(input_ids_ptr + start + offs, tok, mask=mask)
+
+
+@triton.jit
+def _combine_sampled_kernel(
+    input_ids_ptr,  # [max_num_tokens] int32
+    logits_indices_ptr,  # [max_num_reqs] int32
+    idx_mapping_ptr,  # [num_reqs] int32
+    query_start_loc_ptr,  # [num_reqs + 1] int32
+    num_computed_ptr,  # [max_num_reqs] int32
+    prefill_len_ptr,  # [max_num_reqs] int32
+    last_sampled_ptr,  # [max_num_reqs] int64
+):
+    b = tl.program_id(0)
+    row = tl.load(idx_mapping_ptr + b)
+    start = tl.load(query_start_loc_ptr + b)
+    end = tl.load(query_start_loc_ptr + b + 1)
+    # One logit per row (no speculative tokens): its last token.
+    tl.store(logits_indices_ptr + b, end - 1)
+    num_computed = tl.load(num_computed_ptr + row)
+    prefill_len = tl.load(prefill_len_ptr + row)
+    # The first input position at or past prefill_len is the token sampled last step,
+    # still only on the device. Without speculative decoding that is the only one.
+    first_sampled_pos = tl.maximum(num_computed, prefill_len)
+    if first_sampled_pos < num_computed + end - start:
+        tok = tl.load(last_sampled_ptr + row)
+        tl.store(input_ids_ptr + start + first_sampled_pos - num_computed, tok.to(tl.int32))
+
+
+# ---- host side ----------------------------------------------------------------------
+
+
+def _query_start_loc_np(num_scheduled_tokens_np: np.ndarray, num_reqs_padded: int) -> np.ndarray:
+    num_reqs = num_scheduled_tokens_np.shape[0]
+    qsl = np.empty(num_reqs_padded + 1, dtype=np.int32)
+    qsl[0] = 0
+    np.cumsum(num_scheduled_tokens_np, out=qsl[1 : num_reqs + 1])
+    # Padded rows are empty: repeat the real token count (non-decreasing for backends).
+    qsl[num_reqs + 1 :] = qsl[num_reqs]
+    return qsl
+
+
+def prepare_inputs(
+    req_ids: list[str],
+    idx_mapping_np: np.ndarray,
+    num_scheduled_tokens_np: np.ndarray,
+    num_reqs_padded: int,
+    num_tokens_padded: int,
+    state: RequestState,
+    buffers: InputBuffers,
+) -> InputBatch:
+    """Fill the persistent buffers for one step (batch already ordered) and return the
+    step's views. Two small H2D copies (idx_mapping, query_start_loc), then 2-3
+    launches; no sync."""
+    num_reqs = len(req_ids)
+    assert idx_mapping_np.shape == (num_reqs,) and num_scheduled_tokens_np.shape == (num_reqs,)
+    num_tokens = int(num_scheduled_tokens_np.sum())
+    assert num_reqs <= num_reqs_padded <= buffers.max_num_reqs, (num_reqs, num_reqs_padded)
+    assert num_tokens <= num_tokens_padded <= buffers.max_num_tokens, (
+        num_tokens,
+        num_tokens_padded,
+    )
+    device = buffers.device
+    idx_mapping_np = idx_mapping_np.astype(np.int32, copy=False)
+    idx_mapping = buffers.idx_mapping[:num_reqs]
+    async_copy_to_device(idx_mapping_np, device, out=idx_mapping)
+    qsl_np = _query_start_loc_np(num_scheduled_tokens_np, num_reqs_padded)
+    query_start_loc = buffers.query_start_loc[: num_reqs_padded + 1]
+    async_copy_to_device(qsl_np, device, out=query_start_loc)
+
+    _launch_pos_seq_lens(buffers, idx_mapping, state, num_reqs)
+    # Host mirror: num_computed_tokens_np is an upper bound, so "mirror < prefill_len"
+    # implies the device value is too; skip the launch for all-decode steps.
+    nc_np = state.num_computed_tokens_np[idx_mapping_np]
+    if num_reqs > 0 and bool((nc_np < state.prefill_len_np[idx_mapping_np]).any()):
+        _launch_prefill_inputs(buffers, idx_mapping, state, num_reqs)
+    if num_reqs > 0:
+        _launch_combine_sampled(buffers, idx_mapping, state, num_reqs)
+
+    seq_lens_np = np.zeros(num_reqs_padded, dtype=np.int32)
+    seq_lens_np[:num_reqs] = nc_np + num_scheduled_tokens_np
+    num_decodes = _num_leading_decodes(num_scheduled_tokens_np)
+    max_query_len = int(num_scheduled_tokens_np.max()) if num_reqs else 0
+    return InputBatch(
+        req_ids=list(req_ids),
+        num_reqs=num_reqs,
+        num_reqs_padded=num_reqs_padded,
+        num_tokens=num_tokens,
+        num_tokens_padded=num_tokens_padded,
+        idx_mapping=idx_mapping,
+        idx_mapping_np=idx_mapping_np,
+        num_scheduled_tokens_np=num_scheduled_tokens_np,
+        query_start_loc=query_start_loc,
+        query_start_loc_np=qsl_np,
+        seq_lens=buffers.seq_lens[:num_reqs_padded],
+        seq_lens_np=seq_lens_np,
+        max_query_len=max_query_len,
+        max_seq_len=int(seq_lens_np.max()) if num_reqs else 0,
+        input_ids=buffers.input_ids[:num_tokens_padded],
+        positions=buffers.positions[:num_tokens_padded],
+        logits_indices=buffers.logits_indices[:num_reqs],
+        num_decodes=num_decodes,
+        num_decode_tokens=num_decodes,
+        is_uniform_decode=num_reqs > 0 and max_query_len == 1,
+    )
+
+
+def _num_leading_decodes(num_scheduled_tokens_np: np.ndarray) -> int:
+    not_decode = np.flatnonzero(num_scheduled_tokens_np != 1)
+    return int(not_decode[0]) if not_decode.size else int(num_scheduled_tokens_np.shape[0])
+
+
+def _launch_pos_seq_lens(
+    buffers: InputBuffers, idx_mapping: torch.Tensor, state: RequestState, num_reqs: int
+) -> None:
+    num_computed = state.num_computed_tokens.gpu
+    assert idx_mapping.dtype == torch.int32 and num_computed.dtype == torch.int32
+    _prepare_pos_seq_lens_kernel[(num_reqs + 1,)](
+        buffers.positions, buffers.seq_lens, idx_mapping, buffers.query_start_loc,
+        num_computed, num_reqs, buffers.max_num_reqs, BLOCK=_BLOCK,
+    )  # fmt: skip
+
+
+def _launch_prefill_inputs(
+    buffers: InputBuffers, idx_mapping: torch.Tensor, state: RequestState, num_reqs: int
+) -> None:
+    all_token_ids = state.all_token_ids.gpu
+    assert all_token_ids.dtype == torch.int32 and all_token_ids.dim() == 2
+    _prepare_prefill_inputs_kernel[(num_reqs,)](
+        buffers.input_ids, all_token_ids, all_token_ids.stride(0), idx_mapping,
+        buffers.query_start_loc, state.num_computed_tokens.gpu, state.prefill_len.gpu,
+        BLOCK=_BLOCK,
+    )  # fmt: skip
+
+
+def _launch_combine_sampled(
+    buffers: InputBuffers, idx_mapping: torch.Tensor, state: RequestState, num_reqs: int
+) -> None:
+    assert state.last_sampled_tokens.gpu.dtype == torch.int64
+    _combine_sampled_kernel[(num_reqs,)](
+        buffers.input_ids, buffers.logits_indices, idx_mapping, buffers.query_start_loc,
+        state.num_computed_tokens.gpu, state.prefill_len.gpu, state.last_sampled_tokens.gpu,
+    )  # fmt: skip

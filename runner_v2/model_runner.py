@@ -1,0 +1,255 @@
+"""V2 model runner: the GPU-resident state table.
+
+The step is a thin spine: finish / add / update request state (staged, one copy and
+one launch per structure), gather this step's batch through idx_mapping, prepare
+inputs with Triton kernels, forward (an explicit FULL graph replay for uniform decode,
+eager otherwise), sample with the Triton sampler, start the async copy of the sampled
+ids, and advance the device state with the post_update kernel.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from runner_v2.async_output import AsyncModelRunnerOutput
+from runner_v2.block_tables import BlockTables
+from runner_v2.cudagraph import CudaGraphManager
+from runner_v2.input_batch import InputBatch, InputBuffers, gather_batch_req_state, prepare_inputs
+from runner_v2.post_update import compute_num_sampled, post_update
+from runner_v2.sample.sampler import Sampler
+from runner_v2.sample.states import SamplingStates
+from runner_v2.states import RequestState
+from shared.attention.metadata import CommonAttentionMetadata
+from shared.model_executor import ModelExecutor
+from shared.step import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
+from shared.step_timing import StageTimer, StepStats
+
+logger = logging.getLogger("runnerlab")
+
+
+@dataclass
+class _ExecuteState:
+    batch: InputBatch
+    hidden_states: torch.Tensor
+
+
+class GPUModelRunner:
+    runner_name = "v2"
+
+    def __init__(self, config: Any, device: torch.device):
+        self.config = config
+        self.device = device
+        sc = config.scheduler_config
+        R, T, L = sc.max_num_seqs, sc.max_num_batched_tokens, sc.max_model_len
+        vocab = config.model_config.vocab_size
+        self.block_size = config.cache_config.block_size
+        self.executor = ModelExecutor(config, device)
+        self.req_states = RequestState(R, L, T, vocab, device)
+        self.sampling_states = SamplingStates(R, vocab, device)
+        self.block_tables = BlockTables(R, -(-L // self.block_size), T, self.block_size, device)
+        self.buffers = InputBuffers(R, T, device)
+        self.sampler = Sampler(self.sampling_states)
+        self.cudagraph_manager = CudaGraphManager(
+            config, device, self.executor, self.buffers, self.block_tables
+        )
+        self.copy_stream = torch.cuda.Stream() if device.type == "cuda" else None
+        self.timer = StageTimer("runner_v2", use_cuda_events=device.type == "cuda")
+        self.max_num_tokens = T
+        self.max_num_reqs = R
+        self._state: _ExecuteState | None = None
+
+    # ---- runner protocol: set-up ------------------------------------------------------
+    def load_model(self) -> None:
+        self.executor.load_model()
+
+    def determine_num_blocks(self) -> int:
+        return self.executor.determine_num_blocks(self._profile_run)
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        self.executor.initialize_kv_cache(num_blocks)
+
+    def capture_model(self) -> None:
+        self.cudagraph_manager.capture()
+
+    @property
+    def step_stats(self) -> StepStats:
+        return self.timer.stats
+
+    def _profile_run(self) -> None:
+        n = self.max_num_tokens
+        ids = torch.zeros(n, dtype=torch.int32, device=self.device)
+        pos = torch.arange(n, dtype=torch.int64, device=self.device) % 16
+        hidden = self.executor.forward(ids, pos, None, n)
+        self.executor.compute_logits(hidden[: self.max_num_reqs])
+
+    # ---- runner protocol: a step ------------------------------------------------------
+    def execute_model(self, scheduler_output: SchedulerOutput) -> None:
+        so = scheduler_output
+        self.timer.begin_step(so.num_reqs, so.total_num_scheduled_tokens)
+        with self.timer.stage("preprocess"):
+            self._finish_requests(so)
+            self._add_requests(so)
+            self._update_requests(so)
+            self.req_states.apply_staged_writes()
+            self.block_tables.apply_staged_writes()
+            self.sampling_states.apply_staged_writes()
+            if so.total_num_scheduled_tokens == 0:
+                self._state = None
+                return None
+            batch, desc = self._prepare_batch(so)
+            attn_metadata = None
+            if desc is None:
+                attn_metadata = self.executor.build_attn_metadata(self._common_metadata(batch))
+        self.timer.stats.cudagraph_mode = "FULL" if desc is not None else "NONE"
+        with self.timer.stage("forward"):
+            if desc is not None:
+                hidden = self.cudagraph_manager.run_fullgraph(desc)
+            else:
+                hidden = self.executor.forward(
+                    batch.input_ids, batch.positions, attn_metadata, batch.num_tokens_padded
+                )
+        self._state = _ExecuteState(batch, hidden)
+        return None
+
+    def sample_tokens(self, grammar_output: Any = None) -> AsyncModelRunnerOutput | ModelRunnerOutput:
+        state, self._state = self._state, None
+        if state is None:
+            return ModelRunnerOutput.empty()
+        batch = state.batch
+        n = batch.num_reqs
+        with self.timer.stage("sample"):
+            hidden = state.hidden_states.index_select(0, batch.logits_indices)
+            logits = self.executor.compute_logits(hidden)
+            # the position of each logit's input token: the seeded noise is keyed by it
+            positions = batch.positions.index_select(0, batch.logits_indices)
+            num_logprobs = self.sampling_states.num_logprobs[batch.idx_mapping_np]
+            max_n = int(num_logprobs.max())
+            out = self.sampler(
+                logits, batch.idx_mapping, positions, max_n if max_n >= 0 else None,
+                batch.idx_mapping_np,
+            )
+            # Start the D2H copy now, on a side stream: it overlaps post_update below.
+            async_output = self._make_async_output(batch, out, num_logprobs)
+        with self.timer.stage("postprocess"):
+            num_sampled = compute_num_sampled(batch.idx_mapping, batch.seq_lens, n, self.req_states)
+            post_update(
+                batch.idx_mapping, n, out.sampled_token_ids, num_sampled, batch.query_start_loc,
+                self.req_states, self.sampling_states.output_bin_counts,
+            )
+            # The host mirror stays an upper bound of the device counter.
+            self.req_states.num_computed_tokens_np[batch.idx_mapping_np] += (
+                batch.num_scheduled_tokens_np
+            )
+        return async_output
+
+    # ---- state updates ------------------------------------------------------------------
+    def _finish_requests(self, so: SchedulerOutput) -> None:
+        # Preemption is completion here: a resumed request comes back as a new one.
+        for req_id in so.finished_req_ids | so.preempted_req_ids:
+            self.req_states.remove_request(req_id)
+
+    def _add_requests(self, so: SchedulerOutput) -> None:
+        for new in so.scheduled_new_reqs:
+            # Covers abort-then-resubmit of the same id in one step: the old row is
+            # freed (if the finish did not already) and the new request gets a fresh one.
+            self.req_states.remove_request(new.req_id)
+            row = self.req_states.add_request(
+                new.req_id, new.prompt_len, new.prompt_token_ids, new.num_computed_tokens
+            )
+            self.block_tables.append_block_ids(row, new.block_ids, overwrite=True)
+            self.sampling_states.add_request(
+                row, new.sampling_params, new.prompt_token_ids[: new.prompt_len],
+                new.prompt_token_ids, new.eos_token_id,
+            )
+
+    def _update_requests(self, so: SchedulerOutput) -> None:
+        cached = so.scheduled_cached_reqs
+        for req_id, new_blocks, num_computed in zip(
+            cached.req_ids, cached.new_block_ids, cached.num_computed_tokens
+        ):
+            row = self.req_states.req_id_to_index[req_id]
+            # CPU upper bound only; the device counter is advanced by post_update.
+            self.req_states.num_computed_tokens_np[row] = num_computed
+            if new_blocks:
+                self.block_tables.append_block_ids(row, new_blocks, overwrite=False)
+
+    # ---- input prep ---------------------------------------------------------------------
+    def _prepare_batch(self, so: SchedulerOutput):
+        req_ids, idx_mapping_np, num_scheduled = gather_batch_req_state(
+            so.num_scheduled_tokens, self.req_states
+        )
+        num_reqs, num_tokens = len(req_ids), so.total_num_scheduled_tokens
+        desc = self.cudagraph_manager.dispatch(num_reqs, num_tokens, int(num_scheduled.max()))
+        num_reqs_padded = desc.num_reqs if desc is not None else num_reqs
+        num_tokens_padded = desc.num_tokens if desc is not None else num_tokens
+        batch = prepare_inputs(
+            req_ids, idx_mapping_np, num_scheduled, num_reqs_padded, num_tokens_padded,
+            self.req_states, self.buffers,
+        )
+        self._block_table = self.block_tables.gather_block_tables(batch.idx_mapping, num_reqs_padded)
+        self._slot_mapping = self.block_tables.compute_slot_mappings(
+            batch.idx_mapping, batch.query_start_loc, batch.positions, num_reqs, num_tokens_padded
+        )
+        return batch, desc
+
+    def _common_metadata(self, batch: InputBatch) -> CommonAttentionMetadata:
+        return CommonAttentionMetadata(
+            query_start_loc=batch.query_start_loc,
+            seq_lens=batch.seq_lens,
+            block_table=self._block_table,
+            slot_mapping=self._slot_mapping,
+            num_reqs=batch.num_reqs,
+            num_actual_tokens=batch.num_tokens,
+            max_query_len=batch.max_query_len,
+            max_seq_len=batch.max_seq_len,
+            num_decodes=batch.num_decodes,
+            num_prefills=batch.num_reqs - batch.num_decodes,
+            num_decode_tokens=batch.num_decode_tokens,
+            block_size=self.block_size,
+            # host copies: exact here (the scheduler's counts) and used only by TORCH
+            query_start_loc_cpu=torch.from_numpy(batch.query_start_loc_np),
+            seq_lens_cpu=torch.from_numpy(batch.seq_lens_np),
+        )
+
+    # ---- output -------------------------------------------------------------------------
+    def _make_async_output(self, batch: InputBatch, out, num_logprobs: np.ndarray):
+        n = batch.num_reqs
+        req_ids = batch.req_ids
+        # Which rows sample, decided on the host from exact scheduler counts.
+        idx = batch.idx_mapping_np
+        is_sampled = (
+            self.req_states.num_computed_tokens_np[idx] + batch.num_scheduled_tokens_np
+            >= self.req_states.prefill_len_np[idx]
+        )
+        output = ModelRunnerOutput(
+            req_ids=req_ids,
+            req_id_to_index={r: i for i, r in enumerate(req_ids)},
+            sampled_token_ids=[],
+        )
+        tensors = {
+            "sampled": out.sampled_token_ids,
+            "ids": out.logprob_token_ids,
+            "lps": out.logprobs,
+            "ranks": out.ranks,
+        }
+
+        def fill(output: ModelRunnerOutput, host: dict[str, torch.Tensor | None]) -> None:
+            tokens = host["sampled"].tolist()
+            output.sampled_token_ids = [
+                [tokens[i]] if is_sampled[i] else [] for i in range(n)
+            ]
+            if host["lps"] is None:
+                return
+            ids, lps, ranks = host["ids"].tolist(), host["lps"].tolist(), host["ranks"].tolist()
+            output.logprobs = [
+                TokenLogprobs(ids[i][: 1 + k], lps[i][: 1 + k], ranks[i])
+                if k >= 0 and is_sampled[i] else None
+                for i, k in enumerate(num_logprobs.tolist())
+            ]
+
+        return AsyncModelRunnerOutput(output, tensors, fill, self.copy_stream)

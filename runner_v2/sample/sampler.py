@@ -1,0 +1,67 @@
+"""The V2 sampler: Triton kernels over the logits, per-request state via idx_mapping.
+
+Same semantics as the V1 PyTorch sampler (shared/sampling/semantics.py), computed so
+that seeded tokens are bit-identical: penalties + min_tokens -> processed logits,
+min_p / top_k / top_p -> one threshold per row, Gumbel-max with the shared noise
+(greedy rows take the argmax), raw logprobs. Which stages run is decided from the
+host mirrors in SamplingStates, never from device values: no host sync, and every
+grid depends only on (num rows, vocab size).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from runner_v2.sample.gumbel import gumbel_sample
+from runner_v2.sample.logprobs import compute_logprobs
+from runner_v2.sample.penalties import apply_penalties_and_min_tokens
+from runner_v2.sample.states import SamplingStates
+from runner_v2.sample.top_k_top_p import compute_thresholds
+
+
+@dataclass
+class V2SamplerOutput:
+    sampled_token_ids: torch.Tensor  # int64 [N]
+    # column 0 is the sampled token, then the top max_num_logprobs tokens by raw logit;
+    # rows that asked for fewer (or none) still carry max_num_logprobs columns
+    logprob_token_ids: torch.Tensor | None  # int64 [N, 1 + max_n]
+    logprobs: torch.Tensor | None  # float32 (float64 for fp64 logits) [N, 1 + max_n]
+    ranks: torch.Tensor | None  # int64 [N]
+
+
+class Sampler:
+    def __init__(self, states: SamplingStates) -> None:
+        self.states = states
+
+    def __call__(
+        self,
+        logits: torch.Tensor,
+        idx_mapping: torch.Tensor,
+        positions: torch.Tensor,
+        max_num_logprobs: int | None,
+        idx_mapping_np: np.ndarray | None = None,
+    ) -> V2SamplerOutput:
+        """logits [N, V]; idx_mapping int32 [N] (batch row -> state row); positions
+        int64 [N] (position of each logit's input token). idx_mapping_np, the host copy
+        of idx_mapping when the caller has it, narrows the stage decision to the batch;
+        without it the decision covers every row ever written (still correct)."""
+        st = self.states
+        flags = st.batch_flags(idx_mapping_np)
+        x = logits
+        if flags.any_penalties or flags.any_min_tokens:
+            x = apply_penalties_and_min_tokens(
+                logits, idx_mapping, positions, st, flags.any_penalties, flags.any_min_tokens
+            )
+        threshold = None
+        if flags.any_filter:
+            threshold = compute_thresholds(
+                x, idx_mapping, st.temperature, st.top_k, st.top_p, st.min_p
+            )
+        sampled = gumbel_sample(x, idx_mapping, positions, st.temperature, st.seeds, threshold)
+        if max_num_logprobs is None:
+            return V2SamplerOutput(sampled, None, None, None)
+        ids, logprobs, ranks = compute_logprobs(logits, sampled, max_num_logprobs)
+        return V2SamplerOutput(sampled, ids, logprobs, ranks)

@@ -1,0 +1,311 @@
+"""SamplingStates: per-state-row sampling parameters and penalty state on the device.
+
+Rows are the RequestState's rows: permanent for a request's lifetime, reused LIFO and
+never cleared on removal. So `add_request` overwrites EVERY per-row field; a stale
+value left by an earlier request in the same row is only ever harmless when the new
+request's own parameters make the sampler ignore it (penalty bins of a request without
+penalties, the stop-id table of a request without min_tokens).
+
+Writes are staged on the host and published by `apply_staged_writes()` with ONE
+host-to-device copy of a packed int64 buffer, then one scatter kernel (and, when a
+new request uses penalties, one bin-count kernel). Kernels read every field through
+idx_mapping (batch row -> state row); nothing is expanded per batch row.
+
+Penalty state exists only once some request used penalties (allocated lazily, or
+eagerly with `ensure_penalty_state()`, e.g. before CUDA-graph capture):
+  prompt_bin_mask   int32 [R, ceil(V / 32)]: bit (t % 32) of word t // 32 is set iff
+                    token t occurs in the user prompt.
+  output_bin_counts int32 [R, V], contiguous (row stride V): count of token t among
+                    the request's outputs. Set at add from the prefill tokens beyond
+                    prompt_len (outputs generated before a preemption); the runner's
+                    post_update kernel then adds 1 at [state_row, sampled_token] for
+                    every sampled token (when the tensor is not None).
+Both rows are rebuilt at add only for requests that use penalties.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from shared.sampling_params import SamplingParams
+from shared.triton_utils import tl, triton
+
+# Column layout of one staged record (int64 words; floats as float64 bit patterns).
+C_ROW = tl.constexpr(0)
+C_TEMPERATURE = tl.constexpr(1)
+C_TOP_K = tl.constexpr(2)
+C_TOP_P = tl.constexpr(3)
+C_MIN_P = tl.constexpr(4)
+C_SEED = tl.constexpr(5)
+C_REPETITION = tl.constexpr(6)
+C_FREQUENCY = tl.constexpr(7)
+C_PRESENCE = tl.constexpr(8)
+C_MIN_TOKENS = tl.constexpr(9)
+C_PROMPT_LEN = tl.constexpr(10)
+C_NUM_STOP = tl.constexpr(11)
+NUM_COLUMNS = tl.constexpr(12)  # the stop-id table follows
+
+# vLLM caps the ids masked for min_tokens at 128 as well.
+DEFAULT_MAX_STOP_IDS = 128
+
+
+@dataclass
+class BatchFlags:
+    """Which optional stages a batch needs, decided on the host (no device sync)."""
+
+    all_greedy: bool
+    any_penalties: bool
+    any_min_tokens: bool
+    any_filter: bool  # top_k, top_p or min_p on a random row
+
+
+class SamplingStates:
+    def __init__(
+        self,
+        max_num_reqs: int,
+        vocab_size: int,
+        device: torch.device | str,
+        max_stop_ids: int = DEFAULT_MAX_STOP_IDS,
+    ) -> None:
+        self.max_num_reqs = max_num_reqs
+        self.vocab_size = vocab_size
+        self.device = torch.device(device)
+        self.max_stop_ids = max_stop_ids
+        r = max_num_reqs
+
+        def dev(dtype, fill, shape=(r,)):
+            return torch.full(shape, fill, dtype=dtype, device=self.device)
+
+        self.temperature = dev(torch.float32, 1.0)
+        self.top_k = dev(torch.int32, 0)  # 0 = off (also for top_k >= vocab_size)
+        self.top_p = dev(torch.float32, 1.0)
+        self.min_p = dev(torch.float32, 0.0)
+        self.seeds = dev(torch.int64, 0)
+        self.repetition_penalty = dev(torch.float32, 1.0)
+        self.frequency_penalty = dev(torch.float32, 0.0)
+        self.presence_penalty = dev(torch.float32, 0.0)
+        self.min_tokens = dev(torch.int32, 0)
+        self.prompt_len = dev(torch.int32, 0)
+        self.num_stop_ids = dev(torch.int32, 0)
+        self.stop_ids = dev(torch.int32, -1, (r, max_stop_ids))  # padded with -1
+        self.prompt_bin_mask: torch.Tensor | None = None
+        self.output_bin_counts: torch.Tensor | None = None
+
+        # Host mirrors: decide which stages run without reading device values.
+        self.temperature_np = np.ones(r, np.float32)
+        self.top_k_np = np.zeros(r, np.int32)
+        self.top_p_np = np.ones(r, np.float32)
+        self.min_p_np = np.zeros(r, np.float32)
+        self.uses_penalties_np = np.zeros(r, bool)
+        self.min_tokens_np = np.zeros(r, np.int32)
+        self.num_logprobs = np.full(r, -1, np.int32)  # host only; -1 = none
+        self.written_np = np.zeros(r, bool)  # rows ever written (conservative flags)
+
+        self._staged: dict[int, np.ndarray] = {}  # row -> record
+        self._staged_bins: dict[int, tuple[int, list[int]]] = {}  # row -> (prompt_len, tokens)
+        self._rng = np.random.default_rng()
+
+    # ---- add ---------------------------------------------------------------------
+
+    def add_request(
+        self,
+        row: int,
+        sampling_params: SamplingParams,
+        prompt_token_ids: list[int],
+        prefill_token_ids: list[int],
+        eos_token_id: int | None,
+    ) -> None:
+        """Stage every per-row field of `row` for a new (or resumed) request."""
+        sp = sampling_params
+        stop = self._min_tokens_stop_ids(sp, eos_token_id)
+        seed = sp.seed if sp.seed is not None else int(self._rng.integers(0, 2**63))
+        top_k = sp.top_k if 0 < sp.top_k < self.vocab_size else 0
+        prompt_len = len(prompt_token_ids)
+
+        rec = np.zeros(NUM_COLUMNS.value + self.max_stop_ids, np.int64)
+        floats = rec.view(np.float64)
+        rec[C_ROW.value] = row
+        floats[C_TEMPERATURE.value] = np.float32(sp.temperature)
+        rec[C_TOP_K.value] = top_k
+        floats[C_TOP_P.value] = np.float32(sp.top_p)
+        floats[C_MIN_P.value] = np.float32(sp.min_p)
+        rec[C_SEED.value] = seed
+        floats[C_REPETITION.value] = np.float32(sp.repetition_penalty)
+        floats[C_FREQUENCY.value] = np.float32(sp.frequency_penalty)
+        floats[C_PRESENCE.value] = np.float32(sp.presence_penalty)
+        rec[C_MIN_TOKENS.value] = sp.min_tokens
+        rec[C_PROMPT_LEN.value] = prompt_len
+        rec[C_NUM_STOP.value] = len(stop)
+        rec[NUM_COLUMNS.value:] = -1
+        rec[NUM_COLUMNS.value : NUM_COLUMNS.value + len(stop)] = stop
+        self._staged[row] = rec  # a row re-added before apply: the last request wins
+
+        self.temperature_np[row] = sp.temperature
+        self.top_k_np[row] = top_k
+        self.top_p_np[row] = sp.top_p
+        self.min_p_np[row] = sp.min_p
+        self.uses_penalties_np[row] = sp.uses_penalties
+        self.min_tokens_np[row] = sp.min_tokens
+        self.num_logprobs[row] = -1 if sp.logprobs is None else sp.logprobs
+        self.written_np[row] = True
+
+        self._staged_bins.pop(row, None)
+        if sp.uses_penalties:
+            self.ensure_penalty_state()
+            tokens = list(prompt_token_ids) + list(prefill_token_ids[prompt_len:])
+            self._staged_bins[row] = (prompt_len, tokens)
+
+    def _min_tokens_stop_ids(self, sp: SamplingParams, eos_token_id: int | None) -> list[int]:
+        if sp.min_tokens == 0:
+            return []  # the table is never read for this row
+        stop = list(dict.fromkeys(sp.stop_token_ids))
+        if eos_token_id is not None and not sp.ignore_eos and eos_token_id not in stop:
+            stop.append(eos_token_id)
+        if len(stop) > self.max_stop_ids:
+            raise ValueError(
+                f"min_tokens={sp.min_tokens} needs {len(stop)} stop token ids masked; "
+                f"the V2 sampler supports at most {self.max_stop_ids}."
+            )
+        return stop
+
+    def ensure_penalty_state(self) -> None:
+        if self.output_bin_counts is not None:
+            return
+        r, v = self.max_num_reqs, self.vocab_size
+        self.prompt_bin_mask = torch.zeros(r, (v + 31) // 32, dtype=torch.int32, device=self.device)
+        self.output_bin_counts = torch.zeros(r, v, dtype=torch.int32, device=self.device)
+
+    # ---- apply -------------------------------------------------------------------
+
+    def apply_staged_writes(self) -> None:
+        """Publish the staged rows: one H2D copy, one scatter, at most one bincount."""
+        if not self._staged:
+            return
+        records = np.stack(list(self._staged.values()))
+        bin_rows = list(self._staged_bins)
+        bins = [self._staged_bins[r] for r in bin_rows]
+        starts = np.cumsum([0] + [len(t) for _, t in bins])
+        tokens = [t for _, toks in bins for t in toks]
+        m = len(bins)
+        packed = np.concatenate([
+            records.reshape(-1),
+            np.asarray(bin_rows, np.int64),
+            np.asarray([p for p, _ in bins], np.int64),
+            starts.astype(np.int64),
+            np.asarray(tokens, np.int64),
+        ])
+        self._staged.clear()
+        self._staged_bins.clear()
+        # From pageable memory the copy has finished reading `packed` when it returns.
+        dev = torch.from_numpy(packed).to(self.device, non_blocking=True)
+        n, width = records.shape
+        self._launch_write_rows(dev[: n * width].view(n, width))
+        if m:
+            off = n * width
+            rows = dev[off : off + m]
+            prompt_lens = dev[off + m : off + 2 * m]
+            starts_d = dev[off + 2 * m : off + 3 * m + 1]
+            tokens_d = dev[off + 3 * m + 1 :]
+            self._launch_bincount(rows, prompt_lens, starts_d, tokens_d)
+
+    def _launch_write_rows(self, records: torch.Tensor) -> None:
+        n, width = records.shape
+        assert width == NUM_COLUMNS.value + self.max_stop_ids and records.dtype == torch.int64
+        _write_rows_kernel[(n,)](
+            records, self.temperature, self.top_k, self.top_p, self.min_p, self.seeds,
+            self.repetition_penalty, self.frequency_penalty, self.presence_penalty,
+            self.min_tokens, self.prompt_len, self.num_stop_ids, self.stop_ids,
+            WIDTH=width, MAX_STOP=self.max_stop_ids,
+            BLOCK=triton.next_power_of_2(self.max_stop_ids),
+        )
+
+    def _launch_bincount(self, rows, prompt_lens, starts, tokens) -> None:
+        assert self.prompt_bin_mask is not None and self.output_bin_counts is not None
+        # Rebuild the rows from zero: whatever an earlier request left there is stale.
+        self.prompt_bin_mask.index_fill_(0, rows, 0)
+        self.output_bin_counts.index_fill_(0, rows, 0)
+        _bincount_kernel[(rows.shape[0],)](
+            tokens, starts, rows, prompt_lens, self.prompt_bin_mask, self.output_bin_counts,
+            self.vocab_size, self.prompt_bin_mask.shape[1], BLOCK=1024,
+        )
+
+    # ---- flags -------------------------------------------------------------------
+
+    def batch_flags(self, idx_mapping_np: np.ndarray | None = None) -> BatchFlags:
+        """Which stages the batch needs. Without the host idx_mapping, every row ever
+        written counts: stale rows may switch a stage on needlessly, never wrongly,
+        because each kernel still reads its own rows' parameters."""
+        rows = idx_mapping_np if idx_mapping_np is not None else np.flatnonzero(self.written_np)
+        random = self.temperature_np[rows] != 0
+        filt = (self.top_k_np[rows] > 0) | (self.top_p_np[rows] < 1) | (self.min_p_np[rows] > 0)
+        return BatchFlags(
+            all_greedy=not random.any(),
+            any_penalties=bool(self.uses_penalties_np[rows].any()),
+            any_min_tokens=bool((self.min_tokens_np[rows] > 0).any()),
+            any_filter=bool((filt & random).any()),
+        )
+
+
+@triton.jit
+def as_f32(word):
+    """A float32 value staged as its float64 bit pattern (exact both ways)."""
+    return word.to(tl.float64, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _write_rows_kernel(
+    rec_ptr,  # int64 [n, WIDTH], one staged record per program
+    temperature_ptr, top_k_ptr, top_p_ptr, min_p_ptr,  # [R]
+    seeds_ptr,  # int64 [R]
+    repetition_ptr, frequency_ptr, presence_ptr,  # float32 [R]
+    min_tokens_ptr, prompt_len_ptr, num_stop_ptr,  # int32 [R]
+    stop_ids_ptr,  # int32 [R, MAX_STOP]
+    WIDTH: tl.constexpr, MAX_STOP: tl.constexpr, BLOCK: tl.constexpr,
+):
+    rec = rec_ptr + tl.program_id(0) * WIDTH
+    row = tl.load(rec + C_ROW)
+    tl.store(temperature_ptr + row, as_f32(tl.load(rec + C_TEMPERATURE)))
+    tl.store(top_k_ptr + row, tl.load(rec + C_TOP_K).to(tl.int32))
+    tl.store(top_p_ptr + row, as_f32(tl.load(rec + C_TOP_P)))
+    tl.store(min_p_ptr + row, as_f32(tl.load(rec + C_MIN_P)))
+    tl.store(seeds_ptr + row, tl.load(rec + C_SEED))
+    tl.store(repetition_ptr + row, as_f32(tl.load(rec + C_REPETITION)))
+    tl.store(frequency_ptr + row, as_f32(tl.load(rec + C_FREQUENCY)))
+    tl.store(presence_ptr + row, as_f32(tl.load(rec + C_PRESENCE)))
+    tl.store(min_tokens_ptr + row, tl.load(rec + C_MIN_TOKENS).to(tl.int32))
+    tl.store(prompt_len_ptr + row, tl.load(rec + C_PROMPT_LEN).to(tl.int32))
+    tl.store(num_stop_ptr + row, tl.load(rec + C_NUM_STOP).to(tl.int32))
+    offs = tl.arange(0, BLOCK)
+    ids = tl.load(rec + NUM_COLUMNS + offs, mask=offs < MAX_STOP)
+    tl.store(stop_ids_ptr + row * MAX_STOP + offs, ids.to(tl.int32), mask=offs < MAX_STOP)
+
+
+@triton.jit
+def _bincount_kernel(
+    tokens_ptr,  # int64 [T]: per penalty row, its prompt then its resumed outputs
+    starts_ptr,  # int64 [m + 1]: offsets into tokens
+    rows_ptr,  # int64 [m]: state rows
+    prompt_lens_ptr,  # int64 [m]
+    prompt_mask_ptr,  # int32 [R, num_words] bitset
+    counts_ptr,  # int32 [R, vocab_size]
+    vocab_size, num_words,
+    BLOCK: tl.constexpr,
+):
+    i = tl.program_id(0)
+    row = tl.load(rows_ptr + i)
+    start = tl.load(starts_ptr + i)
+    end = tl.load(starts_ptr + i + 1)
+    prompt_end = start + tl.load(prompt_lens_ptr + i)
+    for off in range(start, end, BLOCK):
+        offs = off + tl.arange(0, BLOCK)
+        valid = offs < end
+        tok = tl.load(tokens_ptr + offs, mask=valid, other=0)
+        valid = valid & (tok >= 0) & (tok < vocab_size)
+        is_prompt = offs < prompt_end
+        # atomics: a token may repeat within one block
+        bit = (tl.full([BLOCK], 1, tl.int64) << (tok % 32)).to(tl.int32)
+        tl.atomic_or(prompt_mask_ptr + row * num_words + tok // 32, bit, mask=valid & is_prompt)
+        tl.atomic_add(counts_ptr + row * vocab_size + tok, 1, mask=valid & ~is_prompt)

@@ -1,0 +1,203 @@
+"""StagedWriteTensor: a device-resident table updated by ragged diffs staged on the CPU.
+
+The base tensor lives on the device (or in pinned host memory read through UVA, for
+large tables such as all_token_ids). The CPU never copies the table; it stages
+(row, start, values) writes, and `apply_write()` ships them all at once:
+
+    pack   rows | starts | cu_lens | contents   into ONE host buffer
+    copy   that buffer with ONE non_blocking H2D copy from a fresh pinned temporary
+    apply  ONE Triton launch, one program per write, each copying its run of values
+
+so a step costs one copy and one launch however many rows changed, and there is no
+sync: the CPU may stage the next step's writes while this one is still in flight.
+
+Overlapping writes within one apply are SERIALISED on the host: a write that overlaps
+(or touches) a pending write on the same row is merged with it into one run whose
+values are the result of applying the writes in program order (later wins). Kernel
+programs therefore never write the same cell, and there is no race. The merged run
+covers exactly the union of the merged writes (the intervals chain into one interval),
+so no cell that was not written is ever sent, and a value a kernel advanced on the
+device (which the host mirror does not see) is never overwritten by a stale mirror.
+
+`.np` is a host mirror of every staged value (updated at stage time). It is what the
+CPU reads for upper bounds; where kernels advance a field on the device, the device
+copy is authoritative and the mirror is stale by design. Never write `.np` directly:
+pending runs are packed from it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from runner_v2.uva import device_view_of_pinned, is_uva_available, pinned_empty, pinned_zeros
+from shared.triton_utils import tl, triton
+
+_SUPPORTED = {torch.int32: np.int32, torch.int64: np.int64, torch.float32: np.float32}
+# Metadata travels bit-cast in the contents' element width: int32 for 4-byte contents,
+# int64 for 8-byte contents, so one buffer holds both.
+_META_DTYPE = {4: (torch.int32, np.int32), 8: (torch.int64, np.int64)}
+_APPLY_BLOCK = 1024
+
+
+@triton.jit
+def _apply_write_kernel(
+    out_ptr,  # [num_rows, row_width] (row stride = out_stride), the base tensor
+    out_stride,
+    meta_ptr,  # [3 * num_writes + 1]: rows[n] | starts[n] | cu_lens[n + 1] (cu_lens[0] = 0)
+    contents_ptr,  # [total_len] packed values, write p owns [cu_lens[p], cu_lens[p + 1])
+    num_writes,
+    BLOCK: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    row = tl.load(meta_ptr + pid).to(tl.int64)
+    start = tl.load(meta_ptr + num_writes + pid).to(tl.int64)
+    begin = tl.load(meta_ptr + 2 * num_writes + pid).to(tl.int64)
+    end = tl.load(meta_ptr + 2 * num_writes + pid + 1).to(tl.int64)
+    dst = out_ptr + row * out_stride + start
+    for off in range(0, end - begin, BLOCK):
+        offs = off + tl.arange(0, BLOCK)
+        mask = offs < end - begin
+        vals = tl.load(contents_ptr + begin + offs, mask=mask)
+        tl.store(dst + offs, vals, mask=mask)
+
+
+def launch_apply_write(
+    out: torch.Tensor, meta: torch.Tensor, contents: torch.Tensor, num_writes: int
+) -> None:
+    """One launch applying `num_writes` packed writes to the 2-D `out`."""
+    assert out.dim() == 2 and out.stride(1) == 1, "base tensor must be row-major 2-D"
+    assert meta.shape == (3 * num_writes + 1,) and meta.dtype in (torch.int32, torch.int64)
+    assert contents.dtype == out.dtype and contents.dim() == 1
+    assert meta.device == contents.device == out.device
+    _apply_write_kernel[(num_writes,)](
+        out, out.stride(0), meta, contents, num_writes, BLOCK=_APPLY_BLOCK
+    )
+
+
+class StagedWriteTensor:
+    """A [num_rows, row_width] (or [num_rows]) table written only through staged diffs.
+
+    uva_instead_of_gpu: keep the base in pinned host memory that kernels address
+    through UVA (no device memory used); falls back to device memory without UVA.
+    """
+
+    def __init__(
+        self,
+        shape: int | tuple[int, ...],
+        dtype: torch.dtype,
+        device: torch.device | str,
+        uva_instead_of_gpu: bool = False,
+    ):
+        if dtype not in _SUPPORTED:
+            raise ValueError(
+                f"StagedWriteTensor dtype must be one of {list(_SUPPORTED)}, got {dtype}"
+            )
+        shape = (shape,) if isinstance(shape, int) else tuple(shape)
+        if len(shape) not in (1, 2):
+            raise ValueError(f"shape must be (num_rows,) or (num_rows, row_width), got {shape}")
+        self.shape = shape
+        self.num_rows = shape[0]
+        self.row_width = shape[1] if len(shape) == 2 else 1
+        self.dtype = dtype
+        self.device = torch.device(device)
+        self.uses_uva = uva_instead_of_gpu and is_uva_available()
+        if self.uses_uva:
+            self._host_base = pinned_zeros(shape, dtype)  # keeps the memory alive
+            self.gpu = device_view_of_pinned(self._host_base)
+        else:
+            self.gpu = torch.zeros(shape, dtype=dtype, device=self.device)
+        self._base2d = self.gpu.view(self.num_rows, self.row_width)
+        self.np = np.zeros(shape, dtype=_SUPPORTED[dtype])
+        self._np2d = self.np.reshape(self.num_rows, self.row_width)
+        # row -> disjoint, non-touching [start, end) runs pending for the next apply
+        self._pending: dict[int, list[list[int]]] = {}
+
+    # ---- staging -------------------------------------------------------------------
+
+    def stage_write(self, row: int, start: int, values: Sequence | np.ndarray) -> None:
+        """Stage values[...] into row `row` at columns start..start+len-1 (empty: no-op)."""
+        values = np.asarray(values, dtype=self.np.dtype).reshape(-1)
+        n = values.shape[0]
+        if n == 0:
+            return
+        if not (0 <= row < self.num_rows):
+            raise IndexError(f"row {row} out of range [0, {self.num_rows})")
+        if start < 0 or start + n > self.row_width:
+            raise IndexError(
+                f"write [{start}, {start + n}) does not fit a row of width {self.row_width}"
+            )
+        self._np2d[row, start : start + n] = values
+        self._add_run(row, start, start + n)
+
+    def stage_write_elem(self, row: int, value: int | float) -> None:
+        """Stage one value at column 0 of `row` (per-row scalar fields)."""
+        self.stage_write(row, 0, [value])
+
+    def _add_run(self, row: int, start: int, end: int) -> None:
+        # Merge with every pending run it overlaps or touches: the mirror already holds
+        # the later values, so the merged run carries the program-order result.
+        runs = self._pending.setdefault(row, [])
+        kept = []
+        for run in runs:
+            if run[1] < start or run[0] > end:
+                kept.append(run)
+            else:
+                start, end = min(start, run[0]), max(end, run[1])
+        kept.append([start, end])
+        self._pending[row] = kept
+
+    @property
+    def num_pending_writes(self) -> int:
+        return sum(len(runs) for runs in self._pending.values())
+
+    # ---- applying ------------------------------------------------------------------
+
+    def apply_write(self) -> None:
+        """Ship every staged write: one packed H2D copy, one kernel launch (none if empty)."""
+        if not self._pending:
+            return
+        rows, starts, ends = [], [], []
+        for row, runs in self._pending.items():
+            for start, end in runs:
+                rows.append(row)
+                starts.append(start)
+                ends.append(end)
+        self._pending = {}
+        packed, num_writes = self._pack(rows, starts, ends)
+        # `packed` is already a fresh pinned temporary: one non_blocking H2D copy. On the
+        # CPU it is used in place (nothing else holds it).
+        if self.device.type == "cpu":
+            device_buf = packed
+        else:
+            device_buf = packed.to(self.device, non_blocking=True)
+        meta_len = 3 * num_writes + 1
+        meta = device_buf[:meta_len]
+        contents = device_buf[meta_len:].view(self.dtype)
+        launch_apply_write(self._base2d, meta, contents, num_writes)
+
+    def _pack(self, rows: list, starts: list, ends: list) -> tuple[torch.Tensor, int]:
+        """rows | starts | cu_lens | contents in one host buffer (pinned when possible)."""
+        num_writes = len(rows)
+        rows_np = np.asarray(rows, dtype=np.int64)
+        starts_np = np.asarray(starts, dtype=np.int64)
+        lens = np.asarray(ends, dtype=np.int64) - starts_np
+        cu_lens = np.zeros(num_writes + 1, dtype=np.int64)
+        np.cumsum(lens, out=cu_lens[1:])
+        total = int(cu_lens[-1])
+        meta_torch, meta_np = _META_DTYPE[self.np.dtype.itemsize]
+        meta_len = 3 * num_writes + 1
+        # The fresh temporary IS the pinned staging buffer: packing straight into it
+        # saves a host copy, and nothing reuses it while the H2D copy is in flight.
+        buf = pinned_empty(meta_len + total, meta_torch)
+        buf_np = buf.numpy()
+        buf_np[:num_writes] = rows_np
+        buf_np[num_writes : 2 * num_writes] = starts_np
+        buf_np[2 * num_writes : meta_len] = cu_lens
+        contents = buf_np[meta_len:].view(self.np.dtype)
+        for i in range(num_writes):  # one slice copy per write, never per token
+            contents[cu_lens[i] : cu_lens[i + 1]] = self._np2d[rows[i], starts[i] : ends[i]]
+        assert meta_np == buf_np.dtype
+        return buf, num_writes

@@ -1,0 +1,49 @@
+"""The small interface every attention backend implements.
+
+A backend is a builder (turns CommonAttentionMetadata into its own metadata, once per
+step) plus an impl (runs attention for one layer over the paged cache). The KV write
+is shared by all backends (shared.attention.kv_write) and happens in the layer.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar, Protocol
+
+import torch
+
+from shared.attention.metadata import CommonAttentionMetadata
+
+
+class AttentionMetadataBuilder(Protocol):
+    def build(self, common: CommonAttentionMetadata) -> Any: ...
+
+
+class AttentionImpl(Protocol):
+    def forward(
+        self,
+        query: torch.Tensor,  # [T, num_heads, head_dim]
+        key_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+        value_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+        metadata: Any,
+        output: torch.Tensor,  # [T, num_heads, head_dim], written for real tokens
+    ) -> None: ...
+
+
+class AttentionBackend:
+    """Base class: subclasses set `name` and implement the two factories."""
+
+    name: ClassVar[str]
+
+    @staticmethod
+    def kv_cache_shape(
+        num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int
+    ) -> tuple[int, ...]:
+        return (2, num_blocks, block_size, num_kv_heads, head_dim)
+
+    def make_builder(self, device: torch.device) -> AttentionMetadataBuilder:
+        raise NotImplementedError
+
+    def make_impl(
+        self, num_heads: int, head_dim: int, num_kv_heads: int, scale: float
+    ) -> AttentionImpl:
+        raise NotImplementedError

@@ -1,0 +1,53 @@
+"""The attention layer the model calls: KV write, then the selected backend's impl."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from shared.attention.kv_write import write_kv
+from shared.forward_context import get_forward_context
+
+
+class Attention(nn.Module):
+    """Paged attention for one decoder layer.
+
+    q, k, v come in flat ([T, H*D]); metadata comes from the forward context keyed by
+    `layer_name`; the cache tensor is bound by `bind_kv_cache` when the engine allocates it.
+    """
+
+    def __init__(
+        self, num_heads: int, head_dim: int, num_kv_heads: int, scale: float, layer_name: str
+    ):
+        super().__init__()
+        self.num_heads = num_heads
+        self.head_dim = head_dim
+        self.num_kv_heads = num_kv_heads
+        self.scale = scale
+        self.layer_name = layer_name
+        self.kv_cache: torch.Tensor | None = None  # [2, num_blocks, block_size, Hkv, D]
+        self.impl = None  # set by bind_backend
+
+    def bind_backend(self, backend) -> None:
+        self.impl = backend.make_impl(self.num_heads, self.head_dim, self.num_kv_heads, self.scale)
+
+    def bind_kv_cache(self, kv_cache: torch.Tensor) -> None:
+        self.kv_cache = kv_cache
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        num_tokens = q.shape[0]
+        query = q.view(num_tokens, self.num_heads, self.head_dim)
+        output = torch.empty_like(query)
+        ctx = get_forward_context()
+        metadata = None if ctx is None or ctx.attn_metadata is None else ctx.attn_metadata[self.layer_name]
+        if metadata is None or self.kv_cache is None:
+            # A run without metadata (memory profiling, warm-up) touches no cache.
+            output.zero_()
+            return output.view(num_tokens, -1)
+        key = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+        value = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        common = getattr(metadata, "common", metadata)
+        key_cache, value_cache = self.kv_cache[0], self.kv_cache[1]
+        write_kv(key, value, key_cache, value_cache, common.slot_mapping)
+        self.impl.forward(query, key_cache, value_cache, metadata, output)
+        return output.view(num_tokens, -1)

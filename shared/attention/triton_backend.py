@@ -1,0 +1,128 @@
+"""TRITON backend: the unified paged-attention kernel (the GPU default).
+
+Which launches run is decided in build() from two host values only, so it never needs a
+device sync:
+- the single-query (split-KV decode) mapping runs when max_query_len <= 1 or
+  num_decodes > 0; it owns every row with query length 1;
+- the multi-query (tiled prefill) mapping runs when max_query_len > 1; it owns the rows
+  with query length > 1, and the length-1 rows too when the single-query mapping is off.
+Each row is therefore handled by exactly one mapping whatever num_decodes says.
+
+CUDA-graph rule: a uniform-decode batch (max_query_len == 1) always launches exactly the
+single-query program (+ its split reduction), with a grid fixed by the padded row count
+and a split count that is a function of that row count and the device alone. So a graph
+captured on one uniform-decode batch replays correctly for any seq_lens, block tables or
+number of real rows within the captured size.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+
+from shared.attention.backend import AttentionBackend
+from shared.attention.metadata import CommonAttentionMetadata
+from shared.attention.triton_unified_attention import num_splits_for, paged_attention
+
+# Upper bound on KV splits per (request, kv head): 64 splits x 512 keys covers 32k.
+DEFAULT_MAX_NUM_SPLITS = 64
+
+
+@dataclass
+class TritonAttentionMetadata:
+    common: CommonAttentionMetadata  # the layer reads slot_mapping from here
+    query_start_loc: torch.Tensor  # int32 [R + 1], device
+    seq_lens: torch.Tensor  # int32 [R], device; 0 on padded rows
+    block_table: torch.Tensor  # int32 [R, max_blocks_per_req], device
+    run_single_query: bool
+    run_multi_query: bool
+
+
+class TritonMetadataBuilder:
+    def build(self, common: CommonAttentionMetadata) -> TritonAttentionMetadata:
+        for name in ("query_start_loc", "seq_lens", "block_table"):
+            t = getattr(common, name)
+            assert t.dtype == torch.int32, f"{name} must be int32, got {t.dtype}"
+        # No .contiguous() copy here: a graph must read the persistent table itself.
+        assert common.block_table.stride(-1) == 1, "block_table rows must be contiguous"
+        uniform_decode = common.max_query_len <= 1
+        return TritonAttentionMetadata(
+            common=common,
+            query_start_loc=common.query_start_loc,
+            seq_lens=common.seq_lens,
+            block_table=common.block_table,
+            run_single_query=uniform_decode or common.num_decodes > 0,
+            run_multi_query=not uniform_decode,
+        )
+
+
+@functools.cache
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        # Interpreter: programs run one after another, splitting only adds work.
+        return 1
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+class TritonAttentionImpl:
+    def __init__(
+        self,
+        num_heads: int,
+        head_dim: int,
+        num_kv_heads: int,
+        scale: float,
+        num_splits: int | None = None,
+        max_num_splits: int = DEFAULT_MAX_NUM_SPLITS,
+    ):
+        assert num_heads % num_kv_heads == 0, "GQA needs num_heads % num_kv_heads == 0"
+        self.num_heads = num_heads
+        self.head_dim = head_dim
+        self.num_kv_heads = num_kv_heads
+        self.scale = scale
+        self.num_splits = num_splits  # None: chosen from the padded row count
+        self.max_num_splits = max_num_splits
+
+    def splits_for(self, num_reqs_padded: int, device: torch.device) -> int:
+        if self.num_splits is not None:
+            return self.num_splits
+        return num_splits_for(
+            num_reqs_padded, self.num_kv_heads, _num_sms(device), self.max_num_splits
+        )
+
+    def forward(
+        self,
+        query: torch.Tensor,  # [T, H, D]
+        key_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+        value_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+        metadata: TritonAttentionMetadata,
+        output: torch.Tensor,  # [T, H, D]
+    ) -> None:
+        paged_attention(
+            query, key_cache, value_cache, output,
+            metadata.query_start_loc, metadata.seq_lens, metadata.block_table,
+            self.scale,
+            run_single_query=metadata.run_single_query,
+            run_multi_query=metadata.run_multi_query,
+            num_splits=self.splits_for(metadata.seq_lens.shape[0], query.device),
+        )
+
+
+class TritonBackend(AttentionBackend):
+    name = "TRITON"
+
+    def __init__(
+        self, num_splits: int | None = None, max_num_splits: int = DEFAULT_MAX_NUM_SPLITS
+    ):
+        # num_splits forces the decode split count (tests); None = from the padded batch.
+        self.num_splits = num_splits
+        self.max_num_splits = max_num_splits
+
+    def make_builder(self, device: torch.device) -> TritonMetadataBuilder:
+        return TritonMetadataBuilder()
+
+    def make_impl(self, num_heads, head_dim, num_kv_heads, scale) -> TritonAttentionImpl:
+        return TritonAttentionImpl(
+            num_heads, head_dim, num_kv_heads, scale, self.num_splits, self.max_num_splits
+        )

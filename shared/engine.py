@@ -1,0 +1,201 @@
+"""LLMEngine: config -> runner decision -> runner -> KV cache -> graphs; then steps.
+
+One process, one device, synchronous steps: schedule, execute, sample, update. V2's
+async output object is resolved right after `sample_tokens()` (its copy has already
+overlapped the runner's post-processing by then).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import logging
+import random
+import time
+from collections.abc import Iterable
+from typing import Any
+
+import numpy as np
+import torch
+
+from shared.outputs import CompletionOutput, RequestOutput
+from shared.request import Request
+from shared.sampling_params import SamplingParams
+from shared.scheduler import Scheduler
+
+logger = logging.getLogger("runnerlab")
+
+
+class EngineInputError(ValueError):
+    """A request the engine refuses; the message names the setting and the fix. The
+    engine keeps serving the other requests."""
+
+
+def resolve_runner_class(path: str) -> type:
+    """'package.module:Class' -> the class. The engine reaches runners only this way."""
+    module_name, _, cls_name = path.partition(":")
+    return getattr(importlib.import_module(module_name), cls_name)
+
+
+class LLMEngine:
+    def __init__(self, config: Any):
+        self.config = config
+        self.decision = config.runner_decision
+        self.runner_name: str = self.decision.runner
+        self.device = torch.device(config.device_config.device)
+        self.model_config = config.model_config
+        self.max_model_len = config.scheduler_config.max_model_len
+        self.vocab_size = config.model_config.vocab_size
+        torch.manual_seed(config.load_config.seed)
+
+        start = time.perf_counter()
+        runner_cls = resolve_runner_class(self.decision.runner_class)
+        self.runner = runner_cls(config, self.device)
+        self.runner.load_model()
+        num_blocks = self.runner.determine_num_blocks()
+        self._check_kv_fits_one_request(num_blocks)
+        self.runner.initialize_kv_cache(num_blocks)
+        self.startup_s = time.perf_counter() - start
+        start = time.perf_counter()
+        self.runner.capture_model()
+        self.capture_s = time.perf_counter() - start
+
+        sc, cc = config.scheduler_config, config.cache_config
+        self.scheduler = Scheduler(
+            max_num_seqs=sc.max_num_seqs,
+            max_num_batched_tokens=sc.max_num_batched_tokens,
+            max_model_len=sc.max_model_len,
+            num_blocks=num_blocks,
+            block_size=cc.block_size,
+            enable_prefix_caching=cc.enable_prefix_caching,
+            enable_chunked_prefill=sc.enable_chunked_prefill,
+        )
+        self._tokenizer: Any = None
+        self._tokenizer_loaded = False
+        self._arrivals = 0
+        self._seed_rng = random.Random(config.load_config.seed)
+        self._detok: dict[str, int] = {}
+
+    @classmethod
+    def from_engine_args(cls, engine_args: Any) -> LLMEngine:
+        return cls(engine_args.create_engine_config())
+
+    # ---- tokenizer ------------------------------------------------------------------
+    @property
+    def tokenizer(self) -> Any:
+        if not self._tokenizer_loaded:
+            from shared.tokenizer import load_tokenizer
+
+            self._tokenizer = load_tokenizer(self.model_config)
+            self._tokenizer_loaded = True
+        return self._tokenizer
+
+    @property
+    def eos_token_id(self) -> int | None:
+        eos = getattr(self.model_config.hf_config, "eos_token_id", None)
+        if isinstance(eos, list):
+            eos = eos[0] if eos else None
+        return eos
+
+    # ---- requests -------------------------------------------------------------------
+    def add_request(
+        self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams
+    ) -> None:
+        self._validate_prompt(request_id, prompt_token_ids)
+        if not isinstance(sampling_params, SamplingParams):
+            raise EngineInputError(
+                f"request {request_id!r}: sampling_params must be a SamplingParams, "
+                f"got {type(sampling_params).__name__}"
+            )
+        params = sampling_params
+        if params.seed is None:
+            # Every request gets a seed at admission, so its random stream is a pure
+            # function of (seed, position, vocab id) in both runners.
+            params = dataclasses.replace(params, seed=self._seed_rng.randrange(2**63))
+        request = Request(
+            request_id, list(prompt_token_ids), params, self.eos_token_id, self._arrivals
+        )
+        self._arrivals += 1
+        self.scheduler.add_request(request)  # raises on a duplicate live id
+        self._detok[request_id] = 0
+
+    def _validate_prompt(self, request_id: str, prompt: list[int]) -> None:
+        if len(prompt) == 0:
+            raise EngineInputError(f"request {request_id!r}: the prompt is empty; pass at least one token")
+        if len(prompt) >= self.max_model_len:
+            raise EngineInputError(
+                f"request {request_id!r}: prompt of {len(prompt)} tokens leaves no room to generate "
+                f"within max_model_len={self.max_model_len}; shorten the prompt or raise max_model_len"
+            )
+        arr = np.asarray(prompt)
+        if arr.dtype.kind not in "iu":
+            raise EngineInputError(f"request {request_id!r}: prompt token ids must be integers")
+        bad = (arr < 0) | (arr >= self.vocab_size)
+        if bad.any():
+            pos = int(np.argmax(bad))
+            raise EngineInputError(
+                f"request {request_id!r}: token id {int(arr[pos])} at position {pos} is outside "
+                f"the vocabulary [0, {self.vocab_size})"
+            )
+
+    def abort_request(self, request_ids: Iterable[str] | str) -> None:
+        if isinstance(request_ids, str):
+            request_ids = [request_ids]
+        self.scheduler.abort_requests(list(request_ids))
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def get_num_unfinished_requests(self) -> int:
+        return self.scheduler.get_num_unfinished_requests()
+
+    def num_free_kv_blocks(self) -> int:
+        return self.scheduler.num_free_blocks
+
+    def num_total_kv_blocks(self) -> int:
+        return self.scheduler.num_total_blocks
+
+    # ---- stepping -------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        scheduler_output = self.scheduler.schedule()
+        self.runner.execute_model(scheduler_output)
+        runner_output = self.runner.sample_tokens(None)
+        if hasattr(runner_output, "get_output"):
+            runner_output = runner_output.get_output()
+        updates = self.scheduler.update_from_output(scheduler_output, runner_output)
+        return [self._to_request_output(u) for u in updates]
+
+    @property
+    def step_stats(self):
+        return self.runner.step_stats
+
+    def _to_request_output(self, update: Any) -> RequestOutput:
+        req: Request = update.request
+        text = ""
+        if self.tokenizer is not None:
+            text = self.tokenizer.decode(req.output_token_ids, skip_special_tokens=True)
+        logprobs = req.logprobs if req.sampling_params.logprobs is not None else None
+        completion = CompletionOutput(
+            index=0,
+            token_ids=list(req.output_token_ids),
+            text=text,
+            logprobs=logprobs,
+            finish_reason=req.finish_reason,
+            stop_reason=req.stop_reason,
+        )
+        return RequestOutput(
+            request_id=req.request_id,
+            prompt_token_ids=list(req.prompt_token_ids),
+            outputs=[completion],
+            finished=update.finished,
+        )
+
+    def _check_kv_fits_one_request(self, num_blocks: int) -> None:
+        block_size = self.config.cache_config.block_size
+        needed = -(-self.max_model_len // block_size)
+        if num_blocks < needed:
+            raise EngineInputError(
+                f"the KV cache holds {num_blocks} blocks of {block_size} tokens, fewer than the "
+                f"{needed} one request of max_model_len={self.max_model_len} needs; raise "
+                f"num_gpu_blocks_override (or gpu_memory_utilization) or lower max_model_len"
+            )

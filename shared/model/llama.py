@@ -1,0 +1,178 @@
+"""Llama-family decoders: LlamaForCausalLM, Qwen2ForCausalLM (q/k/v bias) and
+Qwen3ForCausalLM (per-head RMSNorm on q and k before RoPE).
+
+One flat ragged batch per forward: input_ids [T], positions [T] -> hidden [T, hidden].
+Attention metadata (which tokens belong to which request, where the KV goes) comes from
+the forward context, read by each layer's `Attention` module.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+import torch
+from torch import nn
+
+from shared.attention.layer import Attention
+from shared.model.layers import (
+    Linear,
+    MergedLinear,
+    RMSNorm,
+    RotaryEmbedding,
+    SiluAndMul,
+    VocabEmbedding,
+    check_no_sliding_window,
+    check_silu,
+    get_head_dim,
+    load_hf_weights,
+    make_rope,
+)
+
+
+class LlamaMLP(nn.Module):
+    """down(silu(gate(x)) * up(x)) with gate and up fused into one matmul."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False):
+        super().__init__()
+        self.gate_up_proj = MergedLinear(hidden_size, [intermediate_size] * 2, bias=bias)
+        self.act_fn = SiluAndMul()
+        self.down_proj = Linear(intermediate_size, hidden_size, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+
+
+class LlamaAttention(nn.Module):
+    def __init__(
+        self,
+        cfg,
+        rope: RotaryEmbedding,
+        prefix: str,
+        qkv_bias: bool = False,
+        o_bias: bool = False,
+        qk_norm: bool = False,
+    ):
+        super().__init__()
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = getattr(cfg, "num_key_value_heads", None) or self.num_heads
+        self.head_dim = get_head_dim(cfg)
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.qkv_proj = MergedLinear(
+            cfg.hidden_size, [self.q_size, self.kv_size, self.kv_size], bias=qkv_bias
+        )
+        self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=o_bias)
+        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if qk_norm else None
+        self.rotary_emb = rope  # one module shared by every layer (one cos/sin cache)
+        self.attn = Attention(
+            self.num_heads, self.head_dim, self.num_kv_heads, self.head_dim**-0.5, f"{prefix}.attn"
+        )
+
+    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
+        num_tokens = hidden_states.shape[0]
+        qkv = self.qkv_proj(hidden_states)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        if self.q_norm is not None:
+            # Qwen3: normalise each head's vector before the rotation.
+            q = self.q_norm(q.reshape(num_tokens, self.num_heads, self.head_dim))
+            k = self.k_norm(k.reshape(num_tokens, self.num_kv_heads, self.head_dim))
+            q, k = q.reshape(num_tokens, -1), k.reshape(num_tokens, -1)
+        q, k = self.rotary_emb(positions, q, k)
+        return self.o_proj(self.attn(q, k, v))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, cfg, self_attn: LlamaAttention, mlp: nn.Module):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = self_attn
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = mlp
+
+    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
+        hidden_states = hidden_states + self.self_attn(
+            positions, self.input_layernorm(hidden_states)
+        )
+        return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, cfg, make_layer: Callable[[int, str], LlamaDecoderLayer]):
+        super().__init__()
+        self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(
+            make_layer(i, f"model.layers.{i}") for i in range(cfg.num_hidden_layers)
+        )
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        hidden_states = self.embed_tokens(input_ids)
+        for layer in self.layers:
+            hidden_states = layer(positions, hidden_states)
+        return self.norm(hidden_states)
+
+
+class LlamaForCausalLM(nn.Module):
+    """The base decoder. Subclasses change the attention options and the MLP per layer."""
+
+    def __init__(self, hf_config):
+        super().__init__()
+        check_silu(hf_config)
+        check_no_sliding_window(hf_config)
+        self.config = hf_config
+        self.rope = make_rope(hf_config)
+        self.model = LlamaModel(hf_config, self._make_layer)
+        self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
+        self.lm_head = Linear(hf_config.hidden_size, hf_config.vocab_size)
+        if self.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    # --- per-architecture hooks -----------------------------------------------------
+    def _attention_options(self, cfg) -> dict:
+        bias = bool(getattr(cfg, "attention_bias", False))
+        return {"qkv_bias": bias, "o_bias": bias, "qk_norm": False}
+
+    def _make_mlp(self, cfg, layer_idx: int, prefix: str) -> nn.Module:
+        return LlamaMLP(cfg.hidden_size, cfg.intermediate_size, getattr(cfg, "mlp_bias", False))
+
+    def _rename(self, name: str) -> str | None:
+        """Checkpoint name -> our name; None skips the tensor."""
+        if "rotary_emb.inv_freq" in name:
+            return None  # old checkpoints store the RoPE table; we compute our own
+        if name == "lm_head.weight" and self.tie_word_embeddings:
+            return None  # tied: the embedding is the head
+        return name
+
+    # --- the interface the runners call --------------------------------------------
+    def _make_layer(self, layer_idx: int, prefix: str) -> LlamaDecoderLayer:
+        cfg = self.config
+        attn = LlamaAttention(
+            cfg, self.rope, f"{prefix}.self_attn", **self._attention_options(cfg)
+        )
+        return LlamaDecoderLayer(cfg, attn, self._make_mlp(cfg, layer_idx, f"{prefix}.mlp"))
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """input_ids int [T], positions int64 [T] -> hidden states [T, hidden]."""
+        return self.model(input_ids, positions)
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """[N, hidden] -> [N, vocab] in the model dtype."""
+        return self.lm_head(hidden_states)
+
+    def attention_layers(self) -> dict[str, Attention]:
+        return {m.layer_name: m for m in self.modules() if isinstance(m, Attention)}
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        load_hf_weights(self, weights, self._rename)
+
+
+class Qwen2ForCausalLM(LlamaForCausalLM):
+    def _attention_options(self, cfg) -> dict:
+        return {"qkv_bias": True, "o_bias": False, "qk_norm": False}
+
+
+class Qwen3ForCausalLM(LlamaForCausalLM):
+    def _attention_options(self, cfg) -> dict:
+        bias = bool(getattr(cfg, "attention_bias", False))
+        return {"qkv_bias": bias, "o_bias": bias, "qk_norm": True}

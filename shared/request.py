@@ -1,0 +1,110 @@
+"""The scheduler's view of one request: its tokens, progress, blocks and fate.
+
+A `Request` object is one submission. An id resubmitted after an abort or a finish is a
+new object, so everything keyed by object identity (the scheduler's in-flight records,
+the block manager's bookkeeping) can never confuse the two.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+from shared.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = enum.auto()
+    RUNNING = enum.auto()
+    PREEMPTED = enum.auto()  # back in the waiting queue, blocks freed, will recompute
+    FINISHED_STOPPED = enum.auto()
+    FINISHED_LENGTH = enum.auto()
+    FINISHED_ABORTED = enum.auto()
+
+    @property
+    def is_finished(self) -> bool:
+        return self in _FINISH_REASONS
+
+
+_FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+}
+
+
+class Request:
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        eos_token_id: int | None,
+        arrival_index: int,
+    ) -> None:
+        self.request_id = request_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.sampling_params = sampling_params
+        self.eos_token_id = eos_token_id
+        self.arrival_index = arrival_index  # FCFS rank; kept for logs and tie-breaks
+
+        self.status = RequestStatus.WAITING
+        self.output_token_ids: list[int] = []
+        # prompt + outputs kept as one list so that hashing blocks and building a
+        # resumed request's prefill never concatenate.
+        self._all_token_ids = list(self.prompt_token_ids)
+        # Tokens whose KV is (or is being, this step) written to the cache. Advanced by
+        # the scheduler when it schedules them (vLLM's convention), reset on preemption.
+        self.num_computed_tokens = 0
+        self.block_ids: list[int] = []  # owned by the KV cache manager
+        # Chained hashes of this request's FULL blocks, filled lazily by the KV cache
+        # manager. Tokens are append-only, so a hash, once computed, stays valid.
+        self.block_hashes: list[bytes] = []
+        self.stop_reason: int | None = None
+
+    def __repr__(self) -> str:
+        return (
+            f"Request({self.request_id!r}, status={self.status.name}, "
+            f"tokens={self.num_prompt_tokens}+{self.num_output_tokens}, "
+            f"computed={self.num_computed_tokens}, blocks={self.block_ids})"
+        )
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        """Prompt + outputs. The live list: read it, never mutate it."""
+        return self._all_token_ids
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self._all_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    @property
+    def finish_reason(self) -> str | None:
+        return _FINISH_REASONS.get(self.status)
+
+    def append_output_token_id(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self._all_token_ids.append(token_id)
+
+
+@dataclass
+class RequestUpdate:
+    """What one step did to one request, for the engine to turn into a RequestOutput."""
+
+    request: Request
+    new_token_ids: list[int]
+    # one dict (token id -> logprob) per new token, when logprobs were requested
+    new_logprobs: list[dict[int, float]] | None
+    finished: bool

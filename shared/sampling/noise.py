@@ -1,0 +1,98 @@
+"""The Gumbel noise both samplers share: a pure function of (seed, pos, vocab id).
+
+Random sampling is Gumbel-max: token = argmax_i (l_i + g_i) with g_i ~ Gumbel(0, 1).
+V1 (PyTorch, this module), V2 (Triton, runner_v2/sample/gumbel.py) and the NumPy
+reference (shared/sampling/semantics.py) compute g bit-identically from integers, so a
+seeded request samples the same tokens whatever the batch makeup, row order or
+preemption: nothing about the batch enters the noise.
+
+Definition (all words are unsigned 32-bit, every operation is taken modulo 2**32):
+
+    fmix32(h):                       # MurmurHash3's finaliser, a bijection on 32 bits
+        h ^= h >> 16;  h *= 0x85EBCA6B
+        h ^= h >> 13;  h *= 0xC2B2AE35
+        h ^= h >> 16
+
+    seed_lo = seed & 0xFFFFFFFF      # seed: int64 in [0, 2**63)
+    seed_hi = seed >> 32
+    pos32   = pos & 0xFFFFFFFF       # pos: position of the logit's *input* token
+    lane(key) = fmix32(fmix32(fmix32(key ^ seed_lo) ^ seed_hi) ^ pos32)
+    hi = fmix32(lane(0x9E3779B9) ^ vocab_id)
+    lo = fmix32(lane(0x7F4A7C15) ^ vocab_id)
+
+    m = (hi << 20) | (lo >> 12)      # 52 random bits
+    u = (2 * m + 1) * 2**-53         # float64, an odd multiple of 2**-53
+    g = -log(-log(u))                # float64
+
+Why these choices:
+* Two lanes with different keys give 64 independent-looking bits per (seed, pos, id);
+  each lane is a bijection of vocab_id for a fixed row, so within one row no two tokens
+  share a lane value.
+* u uses 52 bits, not 53: (2m + 1) < 2**53 is exact in float64, so u is exactly an odd
+  multiple of 2**-53 in [2**-53, 1 - 2**-53]. With 53 bits plus half an ulp the top
+  value would round to exactly 1.0 and give g = +inf.
+* The per-row part (the three nested fmix32 calls) is computed once per row; per
+  token only two fmix32 and two logs remain.
+
+PyTorch evaluation: int64 tensors hold the 32-bit words; a product of two words can
+exceed 2**63 and wraps (two's complement), so masking with 0xFFFFFFFF after each
+multiply recovers the exact low 32 bits. Shifts only ever see non-negative values.
+"""
+
+from __future__ import annotations
+
+import torch
+
+MASK32 = 0xFFFFFFFF
+FMIX_C1 = 0x85EBCA6B
+FMIX_C2 = 0xC2B2AE35
+LANE_KEY_HI = 0x9E3779B9
+LANE_KEY_LO = 0x7F4A7C15
+# u = (2m + 1) * U_SCALE with m < 2**52
+U_SCALE = 2.0**-53
+
+
+def fmix32(h: torch.Tensor) -> torch.Tensor:
+    """MurmurHash3 fmix32 on int64 tensors holding values in [0, 2**32)."""
+    h = h ^ (h >> 16)
+    h = (h * FMIX_C1) & MASK32
+    h = h ^ (h >> 13)
+    h = (h * FMIX_C2) & MASK32
+    return h ^ (h >> 16)
+
+
+def row_lanes(seeds: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The per-row hash state of both lanes; seeds and positions broadcast together."""
+    seeds = seeds.to(torch.int64)
+    seed_lo = seeds & MASK32
+    seed_hi = seeds >> 32  # seeds are non-negative, so this is the high word
+    pos32 = positions.to(torch.int64) & MASK32
+
+    def lane(key: int) -> torch.Tensor:
+        h = fmix32(seed_lo ^ key)
+        h = fmix32(h ^ seed_hi)
+        return fmix32(h ^ pos32)
+
+    return lane(LANE_KEY_HI), lane(LANE_KEY_LO)
+
+
+def uniform(
+    seeds: torch.Tensor, positions: torch.Tensor, vocab_ids: torch.Tensor
+) -> torch.Tensor:
+    """u in (0, 1), float64; the three arguments broadcast together."""
+    lane_hi, lane_lo = row_lanes(seeds, positions)
+    ids = vocab_ids.to(torch.int64)
+    hi = fmix32(lane_hi ^ ids)
+    lo = fmix32(lane_lo ^ ids)
+    m = (hi << 20) | (lo >> 12)
+    return (2 * m + 1).to(torch.float64) * U_SCALE
+
+
+def gumbel_noise(
+    seeds: torch.Tensor, positions: torch.Tensor, vocab_size: int
+) -> torch.Tensor:
+    """Gumbel noise float64 [N, vocab_size] for rows (seeds[i], positions[i])."""
+    assert seeds.dim() == 1 and positions.shape == seeds.shape
+    ids = torch.arange(vocab_size, dtype=torch.int64, device=seeds.device)
+    u = uniform(seeds[:, None], positions[:, None], ids[None, :])
+    return -torch.log(-torch.log(u))

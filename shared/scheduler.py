@@ -1,0 +1,341 @@
+"""Continuous-batching scheduler: waiting / running queues, token budget, chunked prefill,
+prefix caching, preemption by recompute, stop conditions and aborts (DESIGN.md §3-§4).
+
+One step is `schedule()` -> runner -> `update_from_output()`. Call update_from_output for
+EVERY SchedulerOutput, a zero-token one included (with EMPTY_MODEL_RUNNER_OUTPUT): that is
+where aborted requests are reported.
+
+Finish reporting:
+- a request that stops or hits a length limit is reported (RequestUpdate, finished=True)
+  by the update_from_output that appended its last token; its id goes to the NEXT
+  SchedulerOutput's finished_req_ids so the runner drops its state;
+- an aborted request is reported by the update_from_output of the step whose
+  SchedulerOutput first carries its id in finished_req_ids (the step after the abort).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from shared.block_manager import KVCacheManager
+from shared.request import Request, RequestStatus, RequestUpdate
+from shared.step import (
+    CachedRequestData,
+    ModelRunnerOutput,
+    NewRequestData,
+    SchedulerOutput,
+    TokenLogprobs,
+)
+
+__all__ = ["Scheduler", "RequestUpdate", "check_stop"]
+
+
+@dataclass
+class _InFlightStep:
+    """What schedule() handed out, kept until update_from_output() consumes it.
+
+    Holding the Request objects (not ids) is what lets a late runner output of an aborted
+    request be ignored even after its id was resubmitted.
+    """
+
+    scheduler_output: SchedulerOutput
+    scheduled: dict[str, Request]
+    aborted: list[Request] = field(default_factory=list)
+
+
+class Scheduler:
+    def __init__(
+        self,
+        *,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_model_len: int,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool,
+        enable_chunked_prefill: bool = True,
+    ) -> None:
+        if min(max_num_seqs, max_num_batched_tokens, max_model_len) < 1:
+            raise ValueError("max_num_seqs, max_num_batched_tokens and max_model_len must be >= 1")
+        if not enable_chunked_prefill and max_num_batched_tokens < max_model_len:
+            # Without chunking a whole (resumed) prefill must fit one step's budget.
+            raise ValueError(
+                f"max_num_batched_tokens={max_num_batched_tokens} < max_model_len={max_model_len} "
+                "needs enable_chunked_prefill=True"
+            )
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.enable_chunked_prefill = enable_chunked_prefill
+        self.kv_cache_manager = KVCacheManager(num_blocks, block_size, enable_prefix_caching)
+
+        self.requests: dict[str, Request] = {}  # live (waiting or running) requests by id
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        # Finishes since the last schedule(), handed to the runner by the next one.
+        self.finished_req_ids: set[str] = set()
+        self._aborted_unreported: list[Request] = []
+        self._in_flight: dict[int, _InFlightStep] = {}  # id(SchedulerOutput) -> record
+
+    # ---- queries -----------------------------------------------------------------------
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.kv_cache_manager.num_free_blocks
+
+    @property
+    def num_total_blocks(self) -> int:
+        return self.kv_cache_manager.num_total_blocks
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.get_num_unfinished_requests() > 0
+
+    def has_finished_requests(self) -> bool:
+        """Finishes the runner has not been told about yet (or aborts not yet reported):
+        one more step (possibly of zero tokens) is due even with no unfinished request."""
+        return bool(self.finished_req_ids or self._aborted_unreported)
+
+    # ---- requests in and out -------------------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already live")
+        assert request.status == RequestStatus.WAITING and not request.block_ids
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def abort_requests(self, request_ids: Iterable[str]) -> list[Request]:
+        """Abort live requests by id (unknown ids are ignored); returns those aborted.
+
+        Their blocks are freed now; the RequestUpdate comes with the next step.
+        """
+        if isinstance(request_ids, str):
+            request_ids = [request_ids]
+        aborted = []
+        for req_id in request_ids:
+            request = self.requests.get(req_id)
+            if request is None:
+                continue
+            if request.status == RequestStatus.RUNNING:
+                self.running.remove(request)
+            else:
+                self.waiting.remove(request)
+            self._finish(request, RequestStatus.FINISHED_ABORTED)
+            self._aborted_unreported.append(request)
+            aborted.append(request)
+        return aborted
+
+    def _finish(self, request: Request, status: RequestStatus) -> None:
+        request.status = status
+        self.kv_cache_manager.free(request)
+        del self.requests[request.request_id]
+        self.finished_req_ids.add(request.request_id)
+
+    # ---- schedule ----------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        """Running requests first, in running order; then waiting ones, FCFS."""
+        step = _StepBuilder(self.max_num_batched_tokens)
+        self._schedule_running(step)
+        # After a preemption the pool is short: admitting new work would only thrash.
+        if not step.preempted_req_ids:
+            self._schedule_waiting(step)
+        out = step.build(self.finished_req_ids)
+        self.finished_req_ids = set()
+        self._in_flight[id(out)] = _InFlightStep(out, step.scheduled, self._aborted_unreported)
+        self._aborted_unreported = []
+        return out
+
+    def _num_new_tokens(self, request: Request, num_computed: int, token_budget: int) -> int:
+        # Everything not yet computed: the rest of a (chunked) prefill, or the one token
+        # sampled last step. Never a position at or past max_model_len.
+        num_new = request.num_tokens - num_computed
+        num_new = min(num_new, self.max_model_len - num_computed)
+        if self.enable_chunked_prefill:
+            num_new = min(num_new, token_budget)
+        return num_new
+
+    def _schedule_running(self, step: _StepBuilder) -> None:
+        i = 0
+        while i < len(self.running) and step.token_budget > 0:
+            request = self.running[i]
+            num_new = self._num_new_tokens(request, request.num_computed_tokens, step.token_budget)
+            if num_new <= 0 or num_new > step.token_budget:
+                i += 1
+                continue
+            new_block_ids = self._allocate_or_preempt(request, num_new, step)
+            if new_block_ids is None:
+                break  # the request preempted itself: everything after it is gone too
+            step.add_cached(request, num_new, new_block_ids)
+            i += 1
+
+    def _allocate_or_preempt(
+        self, request: Request, num_new: int, step: _StepBuilder
+    ) -> list[int] | None:
+        while True:
+            new_block_ids = self.kv_cache_manager.allocate_slots(request, num_new)
+            if new_block_ids is not None:
+                return new_block_ids
+            # Victims come from the tail, which this loop has not scheduled yet.
+            victim = self.running.pop()
+            if victim is request and not self.running:
+                self.running.append(victim)
+                raise RuntimeError(
+                    f"request {request.request_id!r} alone does not fit the KV cache "
+                    f"({self.num_total_blocks} blocks of {self.kv_cache_manager.block_size}); "
+                    "the engine must reject it at admission"
+                )
+            self._preempt(victim, step)
+            if victim is request:
+                return None
+
+    def _preempt(self, request: Request, step: _StepBuilder) -> None:
+        self.kv_cache_manager.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        self.waiting.appendleft(request)
+        step.preempted_req_ids.add(request.request_id)
+
+    def _schedule_waiting(self, step: _StepBuilder) -> None:
+        kv = self.kv_cache_manager
+        while self.waiting and step.token_budget > 0 and len(self.running) < self.max_num_seqs:
+            request = self.waiting[0]
+            # The hit is not in request.num_computed_tokens until the allocation succeeds.
+            computed_blocks, num_hit_tokens = kv.get_computed_blocks(request)
+            num_new = self._num_new_tokens(request, num_hit_tokens, step.token_budget)
+            if num_new > step.token_budget:  # chunking off: the whole prefill must fit
+                break
+            new_block_ids = kv.allocate_slots(request, num_new, computed_blocks)
+            if new_block_ids is None:
+                if not self.running:
+                    raise RuntimeError(
+                        f"request {request.request_id!r} alone does not fit the KV cache; "
+                        "the engine must reject it at admission"
+                    )
+                break  # FCFS: no overtaking, and waiting requests never preempt
+            self.waiting.popleft()
+            request.num_computed_tokens = num_hit_tokens
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            step.add_new(request, num_new)
+
+    # ---- update ----------------------------------------------------------------------
+
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
+    ) -> list[RequestUpdate]:
+        record = self._in_flight.pop(id(scheduler_output), None)
+        if record is None or record.scheduler_output is not scheduler_output:
+            raise ValueError("update_from_output got a SchedulerOutput this scheduler did not issue")
+        updates = [RequestUpdate(r, [], None, True) for r in record.aborted]
+        for req_id, request in record.scheduled.items():
+            # Identity, not id: the id may belong to a resubmitted request by now. A
+            # request aborted (or preempted) since schedule() ignores its late output.
+            if request.status != RequestStatus.RUNNING:
+                continue
+            index = runner_output.req_id_to_index.get(req_id)
+            if index is None:
+                continue
+            update = self._apply_sampled(request, runner_output, index)
+            if update is not None:
+                updates.append(update)
+        return updates
+
+    def _apply_sampled(
+        self, request: Request, runner_output: ModelRunnerOutput, index: int
+    ) -> RequestUpdate | None:
+        sampled = runner_output.sampled_token_ids[index]
+        if not sampled:  # a partial prefill chunk: nothing to sample from yet
+            return None
+        new_token_ids: list[int] = []
+        for token_id in sampled:
+            request.append_output_token_id(token_id)
+            new_token_ids.append(token_id)
+            status = check_stop(request, self.max_model_len)
+            if status is not None:
+                self.running.remove(request)
+                self._finish(request, status)
+                break
+        logprobs = runner_output.logprobs[index] if runner_output.logprobs else None
+        new_logprobs = None if logprobs is None else [_logprobs_dict(logprobs)]
+        return RequestUpdate(request, new_token_ids, new_logprobs, request.is_finished)
+
+
+def check_stop(request: Request, max_model_len: int) -> RequestStatus | None:
+    """Stop check after the request's last token was appended; sets stop_reason.
+
+    min_tokens: the k-th output (0-based) may stop the request only when k >= min_tokens,
+    the same rule by which the samplers mask EOS / stop ids (fewer than min_tokens outputs
+    existed when it was sampled), so an EOS the sampler would have masked never stops it.
+    """
+    params = request.sampling_params
+    token_id = request.output_token_ids[-1]
+    if request.num_tokens >= max_model_len:
+        return RequestStatus.FINISHED_LENGTH
+    may_stop = request.num_output_tokens - 1 >= params.min_tokens
+    if may_stop and not params.ignore_eos and token_id == request.eos_token_id:
+        return RequestStatus.FINISHED_STOPPED
+    if may_stop and token_id in params.stop_token_ids:
+        request.stop_reason = token_id
+        return RequestStatus.FINISHED_STOPPED
+    if request.num_output_tokens >= params.max_tokens:
+        return RequestStatus.FINISHED_LENGTH
+    return None
+
+
+def _logprobs_dict(logprobs: TokenLogprobs) -> dict[int, float]:
+    return dict(zip(logprobs.token_ids, logprobs.logprobs))
+
+
+class _StepBuilder:
+    """Accumulates one step's SchedulerOutput while the budget is spent."""
+
+    def __init__(self, token_budget: int) -> None:
+        self.token_budget = token_budget
+        self.new_reqs: list[NewRequestData] = []
+        self.cached_reqs = CachedRequestData()
+        self.num_scheduled_tokens: dict[str, int] = {}
+        self.scheduled: dict[str, Request] = {}
+        self.preempted_req_ids: set[str] = set()
+
+    def _take(self, request: Request, num_new: int) -> None:
+        self.num_scheduled_tokens[request.request_id] = num_new
+        self.scheduled[request.request_id] = request
+        self.token_budget -= num_new
+        request.num_computed_tokens += num_new  # vLLM's convention: advanced at schedule
+
+    def add_cached(self, request: Request, num_new: int, new_block_ids: list[int]) -> None:
+        self.cached_reqs.req_ids.append(request.request_id)
+        self.cached_reqs.new_block_ids.append(new_block_ids)
+        self.cached_reqs.num_computed_tokens.append(request.num_computed_tokens)
+        self._take(request, num_new)
+
+    def add_new(self, request: Request, num_new: int) -> None:
+        # A resumed request's prefill is all its tokens; prompt_len stays the user prompt.
+        self.new_reqs.append(
+            NewRequestData(
+                req_id=request.request_id,
+                prompt_token_ids=list(request.all_token_ids),
+                sampling_params=request.sampling_params,
+                block_ids=list(request.block_ids),
+                num_computed_tokens=request.num_computed_tokens,
+                prompt_len=request.num_prompt_tokens,
+                eos_token_id=request.eos_token_id,
+            )
+        )
+        self._take(request, num_new)
+
+    def build(self, finished_req_ids: set[str]) -> SchedulerOutput:
+        return SchedulerOutput(
+            scheduled_new_reqs=self.new_reqs,
+            scheduled_cached_reqs=self.cached_reqs,
+            num_scheduled_tokens=self.num_scheduled_tokens,
+            total_num_scheduled_tokens=sum(self.num_scheduled_tokens.values()),
+            finished_req_ids=finished_req_ids,
+            preempted_req_ids=self.preempted_req_ids,
+        )

@@ -1,0 +1,81 @@
+"""Per-step stage timing: CPU wall time per stage, CUDA-event time of the forward on GPU,
+and NVTX ranges with the same names when enabled.
+
+Stages are the same in both runners: preprocess, forward, postprocess, sample. The
+timer costs two perf_counter() calls per stage; NVTX ranges are pushed only when
+enabled (RUNNERLAB_NVTX=1 or `runnerlab ab --nvtx`), so the disabled path adds nothing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+
+STAGES = ("preprocess", "forward", "postprocess", "sample")
+
+_NVTX_ENABLED = os.environ.get("RUNNERLAB_NVTX", "0") == "1"
+
+
+def set_nvtx_enabled(enabled: bool) -> None:
+    global _NVTX_ENABLED
+    _NVTX_ENABLED = enabled
+
+
+@dataclass
+class StepStats:
+    """Stage times of the last step, in milliseconds of CPU wall time."""
+
+    stage_ms: dict[str, float] = field(default_factory=dict)
+    num_reqs: int = 0
+    num_tokens: int = 0
+    cudagraph_mode: str = "NONE"
+    # CUDA events around the forward; read lazily (elapsed_time needs the events done)
+    _fwd_events: tuple[torch.cuda.Event, torch.cuda.Event] | None = None
+
+    @property
+    def total_ms(self) -> float:
+        return sum(self.stage_ms.values())
+
+    def forward_gpu_ms(self) -> float | None:
+        if self._fwd_events is None:
+            return None
+        start, end = self._fwd_events
+        end.synchronize()
+        return start.elapsed_time(end)
+
+
+class StageTimer:
+    """Owned by a runner; `begin_step()` starts a fresh StepStats each step."""
+
+    def __init__(self, prefix: str, use_cuda_events: bool):
+        self.prefix = prefix  # "runner_v1" | "runner_v2", the NVTX range prefix
+        self.use_cuda_events = use_cuda_events
+        self.stats = StepStats()
+
+    def begin_step(self, num_reqs: int, num_tokens: int) -> None:
+        self.stats = StepStats(num_reqs=num_reqs, num_tokens=num_tokens)
+
+    @contextlib.contextmanager
+    def stage(self, name: str) -> Iterator[None]:
+        if _NVTX_ENABLED:
+            torch.cuda.nvtx.range_push(f"{self.prefix}: {name}")
+        start = time.perf_counter()
+        events = None
+        if name == "forward" and self.use_cuda_events:
+            events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+            events[0].record()
+        try:
+            yield
+        finally:
+            if events is not None:
+                events[1].record()
+                self.stats._fwd_events = events
+            elapsed = (time.perf_counter() - start) * 1e3
+            self.stats.stage_ms[name] = self.stats.stage_ms.get(name, 0.0) + elapsed
+            if _NVTX_ENABLED:
+                torch.cuda.nvtx.range_pop()

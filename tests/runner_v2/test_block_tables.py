@@ -1,0 +1,91 @@
+"""BlockTables: staged appends, the per-step gather (padded rows zeroed) and the slot
+mapping (PAD from the real token count to the end of the buffer), vs NumPy."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from runner_v2.block_tables import BlockTables
+from shared.attention.metadata import PAD_SLOT_ID
+
+R, W, T, BS = 8, 6, 64, 4
+
+
+def _filled_tables(rng) -> tuple[BlockTables, np.ndarray]:
+    bt = BlockTables(R, W, T, BS, "cpu")
+    model = np.zeros((R, W), dtype=np.int32)
+    for row in range(R):  # a first occupant everywhere, then appends in two rounds
+        ids = rng.integers(0, 1000, size=rng.integers(1, 4))
+        bt.append_block_ids(row, ids.tolist(), overwrite=True)
+        model[row, : len(ids)] = ids
+    bt.apply_staged_writes()
+    for row in rng.choice(R, size=5, replace=False):
+        start = bt.num_blocks[row]
+        ids = rng.integers(0, 1000, size=W - start)
+        bt.append_block_ids(int(row), ids.tolist(), overwrite=False)
+        model[row, start:] = ids
+    bt.apply_staged_writes()
+    return bt, model
+
+
+def test_append_overwrite_and_counts():
+    bt = BlockTables(R, W, T, BS, "cpu")
+    bt.append_block_ids(2, [5, 6, 7], overwrite=True)
+    bt.append_block_ids(2, [8], overwrite=False)
+    bt.apply_staged_writes()
+    assert bt.num_blocks[2] == 4 and bt.block_table.gpu[2, :4].tolist() == [5, 6, 7, 8]
+    # A new occupant of the row starts at column 0; its count forgets the old one.
+    bt.append_block_ids(2, [9], overwrite=True)
+    bt.apply_staged_writes()
+    assert bt.num_blocks[2] == 1 and bt.block_table.gpu[2, 0].item() == 9
+
+
+def test_gather_copies_by_state_row_and_zeroes_padded_rows():
+    rng = np.random.default_rng(0)
+    bt, model = _filled_tables(rng)
+    bt.input_block_tables.fill_(-7)  # poison: stale content from "an earlier step"
+    idx_np = np.array([5, 0, 3], dtype=np.int32)
+    out = bt.gather_block_tables(torch.from_numpy(idx_np), num_reqs_padded=6)
+    assert out.shape == (6, W) and out.data_ptr() == bt.input_block_tables.data_ptr()
+    expected = np.zeros((6, W), dtype=np.int32)
+    expected[:3] = model[idx_np]
+    np.testing.assert_array_equal(out.numpy(), expected)
+    # Beyond num_reqs_padded the persistent buffer is not this step's business.
+    assert (bt.input_block_tables[6:] == -7).all()
+
+
+def test_slot_mapping_matches_numpy_and_pads_to_end():
+    rng = np.random.default_rng(1)
+    bt, model = _filled_tables(rng)
+    bt.slot_mappings.fill_(12345)  # poison
+    idx_np = np.array([7, 2, 4, 1], dtype=np.int32)
+    q = np.array([1, 1, 5, 9], dtype=np.int32)
+    num_computed = np.array([3, 0, 2, 10], dtype=np.int64)  # all within W * BS = 24
+    qsl = np.concatenate([[0], np.cumsum(q)]).astype(np.int32)
+    num_tokens = int(qsl[-1])
+    positions = np.concatenate([nc + np.arange(n) for nc, n in zip(num_computed, q)])
+    # The positions buffer past num_tokens holds stale junk; it must not matter.
+    positions_buf = np.full(T, 10**6, dtype=np.int64)
+    positions_buf[:num_tokens] = positions
+    num_tokens_padded = 24
+    out = bt.compute_slot_mappings(
+        torch.from_numpy(idx_np), torch.from_numpy(qsl), torch.from_numpy(positions_buf),
+        num_reqs=4, num_tokens_padded=num_tokens_padded,
+    )  # fmt: skip
+    assert out.shape == (num_tokens_padded,) and out.dtype == torch.int64
+    req_of_token = np.repeat(idx_np, q)
+    expected_real = model[req_of_token, positions // BS].astype(np.int64) * BS + positions % BS
+    np.testing.assert_array_equal(out[:num_tokens].numpy(), expected_real)
+    # PAD from the real count to the END of the persistent buffer, not just the view.
+    assert (bt.slot_mappings[num_tokens:] == PAD_SLOT_ID).all()
+
+
+def test_slot_mapping_with_no_requests_pads_everything():
+    bt = BlockTables(R, W, T, BS, "cpu")
+    bt.slot_mappings.fill_(3)
+    qsl = torch.zeros(1, dtype=torch.int32)
+    bt.compute_slot_mappings(
+        torch.zeros(0, dtype=torch.int32), qsl, torch.zeros(T, dtype=torch.int64), 0, 8
+    )
+    assert (bt.slot_mappings == PAD_SLOT_ID).all()
