@@ -155,18 +155,19 @@ def run_blockers(model: ModelConfig, load: LoadConfig, attention_backend: str) -
     if model.is_shape_only and load.load_format == "auto":
         out.append(
             f"load_format='auto' is not valid for the shape-only preset {model.preset!r} (it "
-            f"ships no weights); accepted: load_format='dummy' (seeded random weights)")
+            'ships no weights); accepted: load_format="dummy" (seeded random weights; '
+            '--load-format dummy on the command line)')
     if load.weight_source == "gguf" and model.gguf_path is None:
         out.append(
             f"model={model.model!r} needs its GGUF weights: {gguf_install_hint(model.preset)}, "
-            f"or load_format='dummy' for random weights")
+            'or load_format="dummy" for random weights')
     if load.weight_source == "safetensors" and model.model_dir is not None:
         from pathlib import Path
 
         if not any(Path(model.model_dir).glob("*.safetensors")):
             out.append(
                 f"model={model.model!r}: no *.safetensors in {model.model_dir} (weights are never "
-                f"unpickled); accepted: load_format='dummy' for random weights")
+                'unpickled); accepted: load_format="dummy" for random weights')
     if attention_backend == "FLASH_ATTN":
         from importlib.util import find_spec
 

@@ -83,26 +83,17 @@ class CachedRequestState:
 # Every row-indexed field of InputBatch, by attribute name. condense() and swap_states()
 # move exactly these; add a field here when you add one to __init__.
 ROW_FIELDS: tuple[str, ...] = (
-    "_req_ids",
-    "req_output_token_ids",
-    "stop_token_ids",
-    "token_ids",
-    "num_tokens",
-    "num_prompt_tokens",
-    "num_computed_tokens",
-    "temperature",
-    "top_k",
-    "top_p",
-    "min_p",
-    "presence_penalty",
-    "frequency_penalty",
-    "repetition_penalty",
-    "seeds",
-    "min_tokens",
-    "num_logprobs",
-    "eos_token_id",
+    # Python lists (request ids, references to output lists, stop ids)
+    "_req_ids", "req_output_token_ids", "stop_token_ids",
+    # tokens and counters
+    "token_ids", "num_tokens", "num_prompt_tokens", "num_computed_tokens",
+    # sampling values
+    "temperature", "top_k", "top_p", "min_p",
+    "presence_penalty", "frequency_penalty", "repetition_penalty",
+    "seeds", "min_tokens", "num_logprobs", "eos_token_id",
+    # KV blocks (moved through BlockTable.move_row / swap_row)
     "block_table",
-)
+)  # fmt: skip
 # Fields whose valid part is a row prefix of the given length: only the prefix moves
 # (the token table is max_model_len wide, and a row past num_tokens is never read).
 ROW_PREFIX_COUNTS: dict[str, str] = {"token_ids": "num_tokens"}
@@ -171,26 +162,27 @@ class InputBatch:
         self._bind_row_fields()
 
     def _bind_row_fields(self) -> None:
-        """Sort ROW_FIELDS by how a row is moved; done once so moves stay cheap."""
-        self._row_lists: list[list] = []
-        self._row_arrays: list[np.ndarray] = []
-        self._row_prefix_arrays: list[tuple[np.ndarray, np.ndarray]] = []
-        self._row_tables: list[BlockTable] = []
+        """Sort ROW_FIELDS by how a row is moved; done once so moves stay cheap. (Tuples,
+        not lists: a list attribute of length max_num_reqs reads as a per-row field.)"""
+        lists, arrays, prefix_arrays, tables = [], [], [], []
         for name in self.ROW_FIELDS:
             value = getattr(self, name)
             if isinstance(value, BlockTable):
-                self._row_tables.append(value)
-                continue
-            if isinstance(value, list):
-                self._row_lists.append(value)
-                continue
-            array = value.np if isinstance(value, CpuGpuBuffer) else value
-            assert isinstance(array, np.ndarray) and array.shape[0] == self.max_num_reqs, name
-            if name in self.ROW_PREFIX_COUNTS:
-                counts = getattr(self, self.ROW_PREFIX_COUNTS[name])
-                self._row_prefix_arrays.append((array, counts))
+                tables.append(value)
+            elif isinstance(value, list):
+                lists.append(value)
             else:
-                self._row_arrays.append(array)
+                array = value.np if isinstance(value, CpuGpuBuffer) else value
+                assert isinstance(array, np.ndarray) and array.shape[0] == self.max_num_reqs
+                if name in self.ROW_PREFIX_COUNTS:
+                    counts = getattr(self, self.ROW_PREFIX_COUNTS[name])
+                    prefix_arrays.append((array, counts))
+                else:
+                    arrays.append(array)
+        self._row_lists: tuple[list, ...] = tuple(lists)
+        self._row_arrays: tuple[np.ndarray, ...] = tuple(arrays)
+        self._row_prefix_arrays: tuple[tuple[np.ndarray, np.ndarray], ...] = tuple(prefix_arrays)
+        self._row_tables: tuple[BlockTable, ...] = tuple(tables)
 
     # ---- views ------------------------------------------------------------------------
 
@@ -220,13 +212,22 @@ class InputBatch:
         tokens = request.all_token_ids
         if len(tokens) > self.max_model_len:
             raise ValueError(f"request {req_id!r} has {len(tokens)} tokens > max_model_len")
+        if len(request.block_ids) > self.block_table.max_num_blocks_per_req:
+            raise ValueError(f"request {req_id!r} has more blocks than max_model_len needs")
         if self._free_rows:
-            row = heapq.heappop(self._free_rows)
+            row = self._free_rows[0]
         elif self._num_rows < self.max_num_reqs:
             row = self._num_rows
-            self._num_rows += 1
         else:
             raise RuntimeError(f"InputBatch is full ({self.max_num_reqs} rows)")
+        # Recorded first: the builder refuses an add after a move, before anything changed.
+        self.batch_update_builder.added(
+            row, req_id, request.sampling_params, request.output_token_ids
+        )
+        if self._free_rows:
+            heapq.heappop(self._free_rows)
+        else:
+            self._num_rows += 1
 
         self._req_ids[row] = req_id
         self.req_id_to_index[req_id] = row
@@ -238,10 +239,7 @@ class InputBatch:
         self.num_computed_tokens[row] = request.num_computed_tokens
         self._write_sampling_row(row, request)
         self.block_table.add_row(request.block_ids, row)
-
-        self.batch_update_builder.added(
-            row, req_id, request.sampling_params, request.output_token_ids
-        )
+        self._sampling_metadata = None
         return row
 
     def _write_sampling_row(self, row: int, request: CachedRequestState) -> None:
@@ -265,9 +263,11 @@ class InputBatch:
 
     def remove_request(self, req_id: str) -> int | None:
         """Empty the request's row (a hole until condense()); returns the row or None."""
-        row = self.req_id_to_index.pop(req_id, None)
+        row = self.req_id_to_index.get(req_id)
         if row is None:
             return None
+        self.batch_update_builder.removed(row)  # first: it may refuse (see BatchUpdate)
+        del self.req_id_to_index[req_id]
         self._req_ids[row] = None
         self.req_output_token_ids[row] = None
         self.stop_token_ids[row] = None
@@ -275,7 +275,6 @@ class InputBatch:
         # padded row of a graph batch and must not name blocks someone else will own.
         self.block_table.clear_row(row)
         heapq.heappush(self._free_rows, row)
-        self.batch_update_builder.removed(row)
         self._sampling_metadata = None
         return row
 
@@ -445,4 +444,5 @@ class InputBatch:
         width = int(prompt_lens.max()) if n else 0
         prompt = self.token_ids[:n, :width].astype(np.int64)
         prompt[np.arange(width)[None, :] >= prompt_lens[:, None]] = self.vocab_size
-        return torch.from_numpy(prompt).to(self.device, non_blocking=True)
+        # A blocking copy: `prompt` is a temporary in pageable memory.
+        return torch.from_numpy(prompt).to(self.device)

@@ -105,7 +105,10 @@ class GPUModelRunner:
         with self.timer.stage("preprocess"), self.synchronize_input_prep():
             self._update_states(so)
             if so.total_num_scheduled_tokens == 0:
-                self._state = None  # finishes and adds applied; nothing to run
+                # finishes and adds applied, nothing to run; emit this step's BatchUpdate
+                # now so its records are not folded into the next step's
+                self.input_batch.refresh_sampling_metadata()
+                self._state = None
                 return None
             batch = self.input_batch
             req_ids = list(batch.req_ids)

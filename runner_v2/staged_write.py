@@ -38,7 +38,7 @@ from shared.triton_utils import tl, triton
 _SUPPORTED = {torch.int32: np.int32, torch.int64: np.int64, torch.float32: np.float32}
 # Metadata travels bit-cast in the contents' element width: int32 for 4-byte contents,
 # int64 for 8-byte contents, so one buffer holds both.
-_META_DTYPE = {4: (torch.int32, np.int32), 8: (torch.int64, np.int64)}
+_META_DTYPE = {4: torch.int32, 8: torch.int64}
 _APPLY_BLOCK = 1024
 
 
@@ -187,11 +187,11 @@ class StagedWriteTensor:
         cu_lens = np.zeros(num_writes + 1, dtype=np.int64)
         np.cumsum(lens, out=cu_lens[1:])
         total = int(cu_lens[-1])
-        meta_torch, meta_np = _META_DTYPE[self.np.dtype.itemsize]
+        meta_dtype = _META_DTYPE[self.np.dtype.itemsize]
         meta_len = 3 * num_writes + 1
         # The fresh temporary IS the pinned staging buffer: packing straight into it
         # saves a host copy, and nothing reuses it while the H2D copy is in flight.
-        buf = pinned_empty(meta_len + total, meta_torch)
+        buf = pinned_empty(meta_len + total, meta_dtype)
         buf_np = buf.numpy()
         buf_np[:num_writes] = rows_np
         buf_np[num_writes : 2 * num_writes] = starts_np
@@ -199,5 +199,4 @@ class StagedWriteTensor:
         contents = buf_np[meta_len:].view(self.np.dtype)
         for i in range(num_writes):  # one slice copy per write, never per token
             contents[cu_lens[i] : cu_lens[i + 1]] = self._np2d[rows[i], starts[i] : ends[i]]
-        assert meta_np == buf_np.dtype
         return buf, num_writes

@@ -122,7 +122,7 @@ class RequestState:
         self.num_computed_tokens.stage_write_elem(row, num_computed_tokens)
         self.prompt_len.stage_write_elem(row, prompt_len)
         self.prefill_len.stage_write_elem(row, prefill_len)
-        pass
+        self.total_len.stage_write_elem(row, prefill_len)
         # Read only once the prefill is done, by which time post_update has set it; the
         # 0 keeps a bug from surfacing as the previous occupant's token.
         self.last_sampled_tokens.stage_write_elem(row, 0)

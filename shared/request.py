@@ -60,6 +60,9 @@ class Request:
         # Chained hashes of this request's FULL blocks, filled lazily by the KV cache
         # manager. Tokens are append-only, so a hash, once computed, stays valid.
         self.block_hashes: list[bytes] = []
+        # One dict (token id -> logprob) per output token, when logprobs were requested;
+        # kept across preemption like the output tokens themselves.
+        self.logprobs: list[dict[int, float]] = []
         self.stop_reason: int | None = None
 
     def __repr__(self) -> str:

@@ -263,6 +263,8 @@ class Scheduler:
                 break
         logprobs = runner_output.logprobs[index] if runner_output.logprobs else None
         new_logprobs = None if logprobs is None else [_logprobs_dict(logprobs)]
+        if new_logprobs is not None:
+            request.logprobs.extend(new_logprobs)
         return RequestUpdate(request, new_token_ids, new_logprobs, request.is_finished)
 
 

@@ -63,6 +63,62 @@ def _find_request(query_start_loc_ptr, tile, num_reqs, BLOCK_Q: tl.constexpr):
 
 
 @triton.jit
+def _attend_kv_tiles(
+    q,  # [BLOCK_M, BLOCK_D] query rows of one program
+    q_abs,  # [BLOCK_M] absolute position of each row's query token
+    acc, l_i, m_i,  # running output [BLOCK_M, BLOCK_D], denominator and max [BLOCK_M]
+    key_cache_ptr, value_cache_ptr,  # [num_blocks, block_size, Hkv, D]
+    block_row,  # this request's block-table row
+    kv_head, tile_lo, tile_hi, kv_end, qk_scale,
+    stride_kb, stride_ks, stride_kh, stride_kd,
+    stride_vb, stride_vs, stride_vh, stride_vd,
+    BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr, TILE_N: tl.constexpr,
+    KV_BLOCK_SIZE: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """Online softmax over KV tiles [tile_lo, tile_hi) of one request and one KV head."""
+    offs_n = tl.arange(0, TILE_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_valid = offs_d < HEAD_DIM
+    for t in range(tile_lo, tile_hi):
+        k_pos = t * TILE_N + offs_n
+        k_valid = k_pos < kv_end
+        # k_pos < seq_len keeps the block-table read inside this request's row.
+        blk = tl.load(block_row + k_pos // KV_BLOCK_SIZE, mask=k_valid, other=0).to(tl.int64)
+        in_blk = k_pos % KV_BLOCK_SIZE
+        kv_mask = k_valid[:, None] & d_valid[None, :]
+        k = tl.load(
+            key_cache_ptr + blk[:, None] * stride_kb + in_blk[:, None] * stride_ks
+            + kv_head * stride_kh + offs_d[None, :] * stride_kd,
+            mask=kv_mask, other=0.0,
+        ).to(DOT_DTYPE)
+        v = tl.load(
+            value_cache_ptr + blk[:, None] * stride_vb + in_blk[:, None] * stride_vs
+            + kv_head * stride_vh + offs_d[None, :] * stride_vd,
+            mask=kv_mask, other=0.0,
+        ).to(DOT_DTYPE)
+
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+        visible = (k_pos[None, :] <= q_abs[:, None]) & k_valid[None, :]
+        s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        # A row that has seen no visible key (padding rows of the tile) keeps m = -inf;
+        # shifting it by 0 makes exp2(-inf - m) = 0 instead of NaN.
+        m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.math.exp2(s - m_shift[:, None])
+        alpha = tl.math.exp2(m_i - m_shift)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None]
+        # out_dtype spelled out: older Triton defaults it to fp32 even for an fp64 acc.
+        acc = tl.dot(p.to(DOT_DTYPE), v, acc=acc, input_precision=DOT_PRECISION,
+                     out_dtype=acc.dtype)
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+# num_reqs changes with the padded batch size: not specialising on it (== 1, % 16) keeps
+# the compiled variants few. (Runners still warm up each capture size before capturing:
+# NUM_SPLITS, a constexpr, follows the padded row count.)
+@triton.jit(do_not_specialize=["num_reqs"])
 def _paged_attention_kernel(
     output_ptr,  # [T, H, D]
     query_ptr,  # [T, H, D]
@@ -135,7 +191,6 @@ def _paged_attention_kernel(
 
     offs_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
-    offs_n = tl.arange(0, TILE_N)
     q_idx = offs_m // GROUP
     head = kv_head * GROUP + offs_m % GROUP
     q_pos = q_tile_start + q_idx  # position within this request's query
@@ -158,39 +213,13 @@ def _paged_attention_kernel(
         m_i = m_i.to(tl.float64)
         l_i = l_i.to(tl.float64)
         acc = acc.to(tl.float64)
-    block_row = block_table_ptr + req.to(tl.int64) * stride_bt
-
-    for t in range(tile_lo, tile_hi):
-        k_pos = t * TILE_N + offs_n
-        k_valid = k_pos < kv_end
-        # k_pos < seq_len keeps the block-table read inside this request's row.
-        blk = tl.load(block_row + k_pos // KV_BLOCK_SIZE, mask=k_valid, other=0).to(tl.int64)
-        in_blk = k_pos % KV_BLOCK_SIZE
-        kv_mask = k_valid[:, None] & d_valid[None, :]
-        k = tl.load(
-            key_cache_ptr + blk[:, None] * stride_kb + in_blk[:, None] * stride_ks
-            + kv_head * stride_kh + offs_d[None, :] * stride_kd,
-            mask=kv_mask, other=0.0,
-        ).to(DOT_DTYPE)
-        v = tl.load(
-            value_cache_ptr + blk[:, None] * stride_vb + in_blk[:, None] * stride_vs
-            + kv_head * stride_vh + offs_d[None, :] * stride_vd,
-            mask=kv_mask, other=0.0,
-        ).to(DOT_DTYPE)
-
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
-        visible = (offs_n[None, :] + t * TILE_N <= q_abs[:, None]) & k_valid[None, :]
-        s = tl.where(visible, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        # A row that has seen no visible key (padding rows of the tile) keeps m = -inf;
-        # shifting it by 0 makes exp2(-inf - m) = 0 instead of NaN.
-        m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.math.exp2(s - m_shift[:, None])
-        alpha = tl.math.exp2(m_i - m_shift)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None]
-        acc = tl.dot(p.to(DOT_DTYPE), v, acc=acc, input_precision=DOT_PRECISION)
-        m_i = m_new
+    acc, l_i, m_i = _attend_kv_tiles(
+        q, q_abs, acc, l_i, m_i, key_cache_ptr, value_cache_ptr,
+        block_table_ptr + req.to(tl.int64) * stride_bt, kv_head, tile_lo, tile_hi, kv_end,
+        qk_scale, stride_kb, stride_ks, stride_kh, stride_kd,
+        stride_vb, stride_vs, stride_vh, stride_vd,
+        BLOCK_D, HEAD_DIM, TILE_N, KV_BLOCK_SIZE, DOT_DTYPE, DOT_PRECISION,
+    )
 
     if NUM_SPLITS == 1:
         l_safe = tl.where(l_i == 0.0, 1.0, l_i)
@@ -266,18 +295,25 @@ class _KernelConfig:
     num_stages: int
 
 
-def _single_query_config(group: int, block_d: int) -> _KernelConfig:
+def _single_query_config(group: int, block_d: int, wide: bool) -> _KernelConfig:
     # tl.dot needs M >= 16: the GROUP heads of one decode token fill the rows (the rest
     # are masked). Decode is bandwidth-bound, so the idle rows cost nothing that matters.
     block_m = max(16, next_power_of_2(group))
-    tile_n = 64 if block_d <= 128 else 32
-    return _KernelConfig(block_m, 1, tile_n, num_warps=4, num_stages=3)
+    if wide:  # see _multi_query_config
+        return _KernelConfig(block_m, 1, 32, num_warps=8, num_stages=3)
+    return _KernelConfig(block_m, 1, 64 if block_d <= 128 else 32, num_warps=4, num_stages=3)
 
 
-def _multi_query_config(group: int, block_d: int) -> _KernelConfig:
-    block_m = max(128 if block_d <= 128 else 64, next_power_of_2(group))
-    num_warps = 8 if block_d >= 128 else 4
-    return _KernelConfig(block_m, block_m // group, 64, num_warps=num_warps, num_stages=2)
+def _multi_query_config(group: int, block_d: int, wide: bool) -> _KernelConfig:
+    """wide: fp32/fp64 inputs, whose exact ("ieee") dot runs on CUDA cores with operands
+    in registers; larger tiles than these spill heavily at head_dim 128 (checked by
+    compiling for sm_90)."""
+    if wide:
+        block_m, tile_n, num_warps = max(32, next_power_of_2(group)), 16, 4
+    else:
+        block_m = max(128 if block_d <= 128 else 64, next_power_of_2(group))
+        tile_n, num_warps = 64, 8 if block_d >= 128 else 4
+    return _KernelConfig(block_m, block_m // group, tile_n, num_warps=num_warps, num_stages=2)
 
 
 def _dot_dtype(dtype: torch.dtype):
@@ -339,7 +375,7 @@ def paged_attention(
     if run_single_query:
         _launch_single_query(launch, num_reqs, num_kv_heads, num_heads, num_splits)
     if run_multi_query:
-        cfg = _multi_query_config(group, block_d)
+        cfg = _multi_query_config(group, block_d, query.element_size() >= 4)
         grid = (num_tokens // cfg.block_q + num_reqs, num_kv_heads, 1)
         # When the single-query mapping also runs it owns the length-1 rows.
         min_q = 2 if run_single_query else 1
@@ -364,7 +400,7 @@ def _launch_single_query(
 ) -> None:
     output, query = launch.tensors[0], launch.tensors[1]
     head_dim, block_d = launch.consts["HEAD_DIM"], launch.consts["BLOCK_D"]
-    cfg = _single_query_config(launch.consts["GROUP"], block_d)
+    cfg = _single_query_config(launch.consts["GROUP"], block_d, query.element_size() >= 4)
     if num_splits > 1:
         # Allocated per call: under graph capture it comes from the graph's pool, like
         # any activation, so it stays valid for every replay.

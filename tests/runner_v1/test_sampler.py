@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 import torch
 
-from runner_v1.sampler import Sampler
+from runner_v1.sampler import Sampler, filter_threshold
 from runner_v1.sampling_metadata import SamplingMetadata
-from shared.sampling.semantics import reference_sample_row
+from shared.sampling.semantics import keep_mask, reference_sample_row
 from shared.sampling_params import SamplingParams
 
 VOCAB = 96
@@ -145,8 +145,9 @@ def feature_case(feature: str, dtype: torch.dtype, n: int = 24):
     if feature.startswith("min_tokens"):
         logits[:, [EOS, 5, 7, 9]] += 12.0  # the masked ids would win otherwise
     if FEATURES[feature].keys() & {"repetition_penalty", "frequency_penalty", "presence_penalty"}:
-        for i, r in enumerate(rows):  # the penalised tokens would win otherwise
-            logits[i, r.outputs] += 6.0
+        for i, r in enumerate(rows):
+            r.outputs = r.outputs * 2  # counts of 2: frequency and presence differ
+            logits[i, r.outputs] += 6.0  # the penalised tokens would win otherwise
     return rows, torch.from_numpy(logits).to(dtype)
 
 
@@ -169,6 +170,23 @@ def test_matches_reference(feature: str, dtype: torch.dtype) -> None:
         md_plain, _ = make_metadata(plain, VOCAB)
         plain_out = Sampler()(logits, md_plain, positions)
         assert not torch.equal(plain_out.sampled_token_ids, out.sampled_token_ids)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("feature", ["top_k", "top_p", "min_p", "all_filters"])
+def test_keep_mask_matches_reference(feature: str, dtype: torch.dtype) -> None:
+    """The filters alone, token by token (independent of which token the noise picks),
+    on a larger vocabulary so that many tokens sit near each boundary."""
+    rows = feature_case(feature, dtype)[0]
+    rng = np.random.default_rng(zlib.crc32(feature.encode()) + 1)
+    logits = torch.from_numpy(rng.normal(0, 1, (len(rows), 512))).to(dtype)
+    md, _ = make_metadata(rows, 512)
+    temp = md.temperature.to(dtype)
+    scaled = logits / torch.where(temp == 0, torch.ones_like(temp), temp)[:, None]
+    keep = scaled >= filter_threshold(scaled, md)[:, None]
+    for i, r in enumerate(rows):
+        if r.params.temperature != 0:
+            assert keep[i].tolist() == keep_mask(scaled[i].numpy(), r.params).tolist(), i
 
 
 @pytest.mark.parametrize("params", [
@@ -245,7 +263,6 @@ def test_chi_square_rejects_uniform_noise(monkeypatch) -> None:
     """The distribution test has teeth: a sampler using uniform instead of Gumbel
     noise (argmax of l + u) must fail it."""
     import runner_v1.sampler as v1
-
     from shared.sampling.noise import uniform
 
     def wrong_noise(seeds, positions, vocab_size):

@@ -4,16 +4,18 @@ mapping (PAD from the real token count to the end of the buffer), vs NumPy."""
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 
 from runner_v2.block_tables import BlockTables
 from shared.attention.metadata import PAD_SLOT_ID
 
 R, W, T, BS = 8, 6, 64, 4
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 
 
-def _filled_tables(rng) -> tuple[BlockTables, np.ndarray]:
-    bt = BlockTables(R, W, T, BS, "cpu")
+def _filled_tables(rng, device) -> tuple[BlockTables, np.ndarray]:
+    bt = BlockTables(R, W, T, BS, device)
     model = np.zeros((R, W), dtype=np.int32)
     for row in range(R):  # a first occupant everywhere, then appends in two rounds
         ids = rng.integers(0, 1000, size=rng.integers(1, 4))
@@ -41,23 +43,26 @@ def test_append_overwrite_and_counts():
     assert bt.num_blocks[2] == 1 and bt.block_table.gpu[2, 0].item() == 9
 
 
-def test_gather_copies_by_state_row_and_zeroes_padded_rows():
+@pytest.mark.parametrize("device", DEVICES)
+def test_gather_copies_by_state_row_and_zeroes_padded_rows(device):
     rng = np.random.default_rng(0)
-    bt, model = _filled_tables(rng)
+    bt, model = _filled_tables(rng, device)
     bt.input_block_tables.fill_(-7)  # poison: stale content from "an earlier step"
     idx_np = np.array([5, 0, 3], dtype=np.int32)
-    out = bt.gather_block_tables(torch.from_numpy(idx_np), num_reqs_padded=6)
+    out = bt.gather_block_tables(torch.from_numpy(idx_np).to(device), num_reqs_padded=6)
     assert out.shape == (6, W) and out.data_ptr() == bt.input_block_tables.data_ptr()
     expected = np.zeros((6, W), dtype=np.int32)
     expected[:3] = model[idx_np]
-    np.testing.assert_array_equal(out.numpy(), expected)
+    np.testing.assert_array_equal(out.cpu().numpy(), expected)
     # Beyond num_reqs_padded the persistent buffer is not this step's business.
     assert (bt.input_block_tables[6:] == -7).all()
 
 
-def test_slot_mapping_matches_numpy_and_pads_to_end():
+@pytest.mark.parametrize("device", DEVICES)
+def test_slot_mapping_matches_numpy_and_pads_to_end(device):
     rng = np.random.default_rng(1)
-    bt, model = _filled_tables(rng)
+    bt, model = _filled_tables(rng, device)
+    dev = lambda a: torch.from_numpy(a).to(device)
     bt.slot_mappings.fill_(12345)  # poison
     idx_np = np.array([7, 2, 4, 1], dtype=np.int32)
     q = np.array([1, 1, 5, 9], dtype=np.int32)
@@ -70,13 +75,12 @@ def test_slot_mapping_matches_numpy_and_pads_to_end():
     positions_buf[:num_tokens] = positions
     num_tokens_padded = 24
     out = bt.compute_slot_mappings(
-        torch.from_numpy(idx_np), torch.from_numpy(qsl), torch.from_numpy(positions_buf),
-        num_reqs=4, num_tokens_padded=num_tokens_padded,
-    )  # fmt: skip
+        dev(idx_np), dev(qsl), dev(positions_buf), num_reqs=4, num_tokens_padded=num_tokens_padded
+    )
     assert out.shape == (num_tokens_padded,) and out.dtype == torch.int64
     req_of_token = np.repeat(idx_np, q)
     expected_real = model[req_of_token, positions // BS].astype(np.int64) * BS + positions % BS
-    np.testing.assert_array_equal(out[:num_tokens].numpy(), expected_real)
+    np.testing.assert_array_equal(out[:num_tokens].cpu().numpy(), expected_real)
     # PAD from the real count to the END of the persistent buffer, not just the view.
     assert (bt.slot_mappings[num_tokens:] == PAD_SLOT_ID).all()
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-import torch
 
 import runner_v2.input_batch as ib
 from runner_v2.input_batch import (
@@ -17,6 +16,7 @@ from runner_v2.input_batch import (
 from runner_v2.states import RequestState
 
 R, MAX_LEN, T, V = 8, 64, 128, 1000
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 
 
 def _expected_order(req_ids, nst):
@@ -36,9 +36,9 @@ def test_sort_batch_req_ids_decodes_first_then_ascending_stable():
 class _Setup:
     """A state table with rows in every situation a step can meet."""
 
-    def __init__(self, rng):
-        self.state = RequestState(R, MAX_LEN, T, V, "cpu")
-        self.buffers = InputBuffers(R, T, "cpu")
+    def __init__(self, rng, device):
+        self.state = RequestState(R, MAX_LEN, T, V, device)
+        self.buffers = InputBuffers(R, T, device)
         self.tokens: dict[str, np.ndarray] = {}  # full prefill per request
         self.last: dict[str, int] = {}
         # A first occupant in every row, then removed: every row carries stale data.
@@ -68,10 +68,10 @@ class _Setup:
         self.last[req_id] = tok
 
 
-@pytest.fixture
-def mixed():
+@pytest.fixture(params=DEVICES)
+def mixed(request):
     rng = np.random.default_rng(7)
-    s = _Setup(rng)
+    s = _Setup(rng, request.param)
     s.add("fresh", 7, 7, 0, rng)  # whole prompt in one chunk
     s.add("chunk", 20, 20, 8, rng)  # continues a prefill (e.g. a prefix-cache hit)
     s.add("resumed", 5, 12, 0, rng)  # prefill = prompt + 7 outputs, first chunk only
@@ -112,20 +112,17 @@ def test_mixed_batch_matches_numpy(mixed):
     seq_lens = np.zeros(num_reqs_padded, dtype=np.int32)
     seq_lens[: len(req_ids)] = [nc[r] + nst[r] for r in req_ids]
     input_ids = np.concatenate(
-        [
-            [s.last[r]] if r in s.last else s.tokens[r][nc[r] : nc[r] + nst[r]]
-            for r in req_ids
-        ]
+        [[s.last[r]] if r in s.last else s.tokens[r][nc[r] : nc[r] + nst[r]] for r in req_ids]
     )
     num_tokens = int(qsl[len(req_ids)])
 
-    np.testing.assert_array_equal(batch.query_start_loc.numpy(), qsl)
+    np.testing.assert_array_equal(batch.query_start_loc.cpu().numpy(), qsl)
     np.testing.assert_array_equal(batch.query_start_loc_np, qsl)
-    np.testing.assert_array_equal(batch.positions[:num_tokens].numpy(), positions)
-    np.testing.assert_array_equal(batch.seq_lens.numpy(), seq_lens)
+    np.testing.assert_array_equal(batch.positions[:num_tokens].cpu().numpy(), positions)
+    np.testing.assert_array_equal(batch.seq_lens.cpu().numpy(), seq_lens)
     np.testing.assert_array_equal(batch.seq_lens_np, seq_lens)
-    np.testing.assert_array_equal(batch.input_ids[:num_tokens].numpy(), input_ids)
-    np.testing.assert_array_equal(batch.logits_indices.numpy(), qsl[1 : len(req_ids) + 1] - 1)
+    np.testing.assert_array_equal(batch.input_ids[:num_tokens].cpu().numpy(), input_ids)
+    np.testing.assert_array_equal(batch.logits_indices.cpu().numpy(), qsl[1 : len(req_ids) + 1] - 1)
     # The whole persistent seq_lens tail is zero (any padded graph size reads zeros).
     assert (s.buffers.seq_lens[len(req_ids) :] == 0).all()
     assert batch.num_tokens == num_tokens and batch.num_tokens_padded == num_tokens_padded

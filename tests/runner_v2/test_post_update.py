@@ -3,17 +3,19 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 
 from runner_v2.post_update import compute_num_sampled, post_update
 from runner_v2.states import RequestState
 
 R, MAX_LEN, T, V = 6, 48, 64, 50
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 
 
-def _state_with(rng, specs):
+def _state_with(rng, specs, device):
     """specs: (req_id, prompt_len, prefill_len, num_computed)."""
-    state = RequestState(R, MAX_LEN, T, V, "cpu")
+    state = RequestState(R, MAX_LEN, T, V, device)
     prefills = {}
     for req_id, prompt_len, prefill_len, nc in specs:
         prefills[req_id] = rng.integers(0, V, prefill_len)
@@ -24,18 +26,20 @@ def _state_with(rng, specs):
 
 def _snapshot(state):
     return {
-        "nc": state.num_computed_tokens.gpu.numpy().copy(),
-        "total": state.total_len.gpu.numpy().copy(),
-        "last": state.last_sampled_tokens.gpu.numpy().copy(),
-        "tokens": state.all_token_ids.gpu.numpy().copy(),
+        "nc": state.num_computed_tokens.gpu.cpu().numpy().copy(),
+        "total": state.total_len.gpu.cpu().numpy().copy(),
+        "last": state.last_sampled_tokens.gpu.cpu().numpy().copy(),
+        "tokens": state.all_token_ids.gpu.cpu().numpy().copy(),
     }
 
 
-def test_post_update_matches_numpy_model():
+@pytest.mark.parametrize("device", DEVICES)
+def test_post_update_matches_numpy_model(device):
     rng = np.random.default_rng(3)
     specs = [("a", 10, 10, 0), ("b", 20, 20, 4), ("c", 5, 8, 8), ("d", 7, 7, 7), ("e", 3, 3, 0)]
-    state, _ = _state_with(rng, specs)
-    bins = torch.from_numpy(rng.integers(0, 3, (R, V)).astype(np.int32))
+    state, _ = _state_with(rng, specs, device)
+    bins = torch.from_numpy(rng.integers(0, 3, (R, V)).astype(np.int32)).to(device)
+    dev = lambda a: torch.from_numpy(np.asarray(a)).to(device)
     # Batch: c and d decode, e's 3-token prefill reaches its end, b is a partial chunk
     # (4 + 6 < 20), a a whole prefill.
     req_ids = ["c", "d", "e", "b", "a"]
@@ -48,17 +52,14 @@ def test_post_update_matches_numpy_model():
         idx = np.array([state.req_id_to_index[r] for r in req_ids], dtype=np.int32)
         qsl = np.concatenate([[0], np.cumsum(q)]).astype(np.int32)
         before = _snapshot(state)
-        bins_before = bins.numpy().copy()
+        bins_before = bins.cpu().numpy().copy()
         seq_lens = before["nc"][idx] + q
-        num_sampled = compute_num_sampled(
-            torch.from_numpy(idx), torch.from_numpy(seq_lens.astype(np.int32)), len(idx), state
-        )
+        num_sampled = compute_num_sampled(dev(idx), dev(seq_lens.astype(np.int32)), len(idx), state)
         prefill_len = state.prefill_len_np[idx]
         expected_ns = (seq_lens >= prefill_len).astype(np.int32)
-        np.testing.assert_array_equal(num_sampled.numpy(), expected_ns)
-        sampled = torch.from_numpy(rng.integers(0, V, (len(idx), 1)))  # [N, 1] accepted
-        post_update(torch.from_numpy(idx), len(idx), sampled, num_sampled,
-                    torch.from_numpy(qsl), state, bins)  # fmt: skip
+        np.testing.assert_array_equal(num_sampled.cpu().numpy(), expected_ns)
+        sampled = dev(rng.integers(0, V, (len(idx), 1)))  # [N, 1] accepted
+        post_update(dev(idx), len(idx), sampled, num_sampled, dev(qsl), state, bins)
 
         # NumPy model.
         exp = {k: v.copy() for k, v in before.items()}
@@ -66,7 +67,7 @@ def test_post_update_matches_numpy_model():
         for b, row in enumerate(idx):
             exp["nc"][row] += q[b]
             if expected_ns[b]:
-                tok = int(sampled[b, 0])
+                tok = int(sampled[b, 0].item())
                 exp["last"][row] = tok
                 exp["tokens"][row, exp["total"][row]] = tok
                 exp["total"][row] += 1
@@ -74,7 +75,7 @@ def test_post_update_matches_numpy_model():
         after = _snapshot(state)
         for k in exp:
             np.testing.assert_array_equal(after[k], exp[k], err_msg=k)
-        np.testing.assert_array_equal(bins.numpy(), exp_bins)
+        np.testing.assert_array_equal(bins.cpu().numpy(), exp_bins)
         q = np.ones_like(q)  # next steps: single-token steps (b keeps chunking)
     # The partial chunk never sampled; b's row still holds only its prefill.
     row_b = state.req_id_to_index["b"]
@@ -83,7 +84,7 @@ def test_post_update_matches_numpy_model():
 
 def test_post_update_without_bin_counts_and_padded_inputs():
     rng = np.random.default_rng(4)
-    state, _ = _state_with(rng, [("x", 4, 4, 0), ("y", 2, 2, 0)])
+    state, _ = _state_with(rng, [("x", 4, 4, 0), ("y", 2, 2, 0)], "cpu")
     idx = torch.tensor([state.req_id_to_index["y"]], dtype=torch.int32)
     qsl = torch.tensor([0, 2, 2, 2], dtype=torch.int32)  # padded tail repeats
     sampled = torch.tensor([41, 99, 99], dtype=torch.int64)  # N > num_reqs

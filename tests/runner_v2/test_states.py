@@ -137,7 +137,9 @@ class StateMachine(RuleBasedStateMachine):
                 req.outputs.append(toks[b])
                 req.sampled_since_add.append(toks[b])
             if len(req.blocks) < W and data.draw(st.booleans(), label="new block"):
-                new = data.draw(st.lists(st.integers(0, 999), min_size=1, max_size=W - len(req.blocks)))
+                new = data.draw(
+                    st.lists(st.integers(0, 999), min_size=1, max_size=W - len(req.blocks))
+                )
                 self.bt.append_block_ids(req.row, new, overwrite=False)
                 req.blocks += new
 

@@ -119,3 +119,18 @@ def test_no_nan_when_every_row_is_padding():
     batch = make_batch([], [], 4, 2, 32, 8, pad_reqs=4, pad_tokens=4)
     out = run_backend(TritonBackend(num_splits=2), batch, 4, 32, 2, poison=7.0)
     assert (out == 7.0).all(), "an all-padding step must write nothing"
+
+
+def test_query_as_view_into_fused_qkv():
+    # The layer hands attention q as a view of the fused qkv projection: the token
+    # stride is (H + 2 Hkv) * D, not H * D.
+    batch = make_batch([1, 6, 2], [40, 6, 19], 4, 2, 32, 8, pad_reqs=1, pad_tokens=1)
+    num_tokens = batch.query.shape[0]
+    qkv = torch.randn(num_tokens, (4 + 2 * 2) * 32)
+    qkv[:, : 4 * 32] = batch.query.reshape(num_tokens, -1)
+    batch.query = qkv[:, : 4 * 32].view(num_tokens, 4, 32)
+    assert batch.query.stride(0) == 8 * 32
+    expected = run_backend(TorchBackend(), batch, 4, 32, 2, poison=0.0)
+    got = run_backend(TritonBackend(num_splits=2), batch, 4, 32, 2)
+    n = batch.num_actual_tokens
+    torch.testing.assert_close(got[:n], expected[:n], atol=ATOL, rtol=RTOL)

@@ -273,6 +273,9 @@ def test_prefix_hit_in_scheduler_same_and_later_step():
     so, _ = run_step(sched, runner)
     assert [n.num_computed_tokens for n in so.scheduled_new_reqs] == [0, 8]
     assert so.num_scheduled_tokens == {"a": 10, "b": 2}
+    a, b = sched.requests["a"], sched.requests["b"]
+    assert b.block_ids[:2] == a.block_ids[:2] and len(b.block_ids) == 3
+    assert sched.num_free_blocks == sched.num_total_blocks - 4
     run_all(sched, runner)
     c = req("c", prompt + [1, 2, 3], max_tokens=2)
     sched.add_request(c)

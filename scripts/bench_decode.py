@@ -1,0 +1,124 @@
+"""Decode step time vs the HBM floor, both runners side by side (issue: CUDA graphs).
+
+  python3 scripts/bench_decode.py --out decode.json [--quick]
+
+1. llama-3-8b shape, dummy bf16 weights, batch 1, context 1024, FULL graphs:
+   step time against floor = non-embedding weight bytes / measured read bandwidth.
+2. qwen3-0.6b shape, batch 1 / 64 / 256 / 512: GPU and wall step time per runner,
+   graphs vs eager, and the launch-bound gap at batch 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import sys
+import time
+
+import torch
+
+from shared.bench.measure import measure_read_bandwidth, run_decode
+from shared.engine import LLMEngine
+
+
+def make_engine(model: str, runner: str, eager: bool, max_num_seqs: int, sizes: list[int],
+                max_model_len: int, blocks: int) -> LLMEngine:
+    from policy import EngineArgs
+
+    args = EngineArgs(
+        model=model, load_format="dummy", dtype="bfloat16", device="cuda", seed=0,
+        model_runner=runner, enforce_eager=eager, max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max(8192, max_num_seqs), max_model_len=max_model_len,
+        num_gpu_blocks_override=blocks, cudagraph_capture_sizes=None if eager else sizes,
+        enable_prefix_caching=False,
+    )
+    return LLMEngine.from_engine_args(args)
+
+
+def free(engine: LLMEngine) -> None:
+    del engine
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+def llama_batch1(bw: float, steps: int) -> dict:
+    result = {"model": "llama-3-8b", "batch": 1, "context": 1024}
+    tokens = {}
+    for runner in ("v1", "v2"):
+        engine = make_engine("llama-3-8b", runner, False, 8, [1, 2, 4, 8], 2048, 512)
+        weight_bytes = engine.runner.executor.weight_bytes(include_embedding=False)
+        samples, steady_ms, toks = run_decode(engine, 1, 1024, warmup=10, steps=steps, tag=runner)
+        s = samples.summary()
+        floor_ms = weight_bytes / bw * 1e3
+        gpu_ms = s["forward_gpu_ms"]["median"]
+        result[runner] = {
+            "summary": s, "steady_ms": steady_ms, "forward_gpu_ms": gpu_ms,
+            "wall_ms": s["wall_ms"]["median"],
+            "forward_gpu_over_floor": gpu_ms / floor_ms,
+            "wall_over_floor": s["wall_ms"]["median"] / floor_ms,
+            "steady_over_floor": steady_ms / floor_ms,
+            "achieved_GBps_forward": weight_bytes / (gpu_ms / 1e3) / 1e9,
+        }
+        result["weight_bytes"] = weight_bytes
+        result["floor_ms"] = floor_ms
+        tokens[runner] = toks
+        free(engine)
+    result["tokens_identical"] = tokens["v1"] == tokens["v2"]
+    return result
+
+
+def qwen_ladder(steps: int, batches: list[int]) -> dict:
+    result = {"model": "qwen3-0.6b", "context": 128, "rows": []}
+    for runner in ("v1", "v2"):
+        for eager in (False, True):
+            engine = make_engine("qwen3-0.6b", runner, eager, max(batches), batches, 1024, 16384)
+            for batch in batches:
+                samples, steady_ms, _ = run_decode(engine, batch, 128, warmup=5, steps=steps,
+                                                   tag=f"{runner}{eager}{batch}-")
+                s = samples.summary()
+                result["rows"].append({
+                    "runner": runner, "graphs": not eager, "batch": batch,
+                    "forward_gpu_ms": s["forward_gpu_ms"]["median"], "wall_ms": s["wall_ms"]["median"],
+                    "steady_ms": steady_ms, "stages_ms": {k: v.get("median") for k, v in s["stages_ms"].items()},
+                    "modes": s["cudagraph_modes"],
+                })
+                print(json.dumps(result["rows"][-1]), flush=True)
+            free(engine)
+    return result
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", required=True)
+    p.add_argument("--steps", type=int, default=50)
+    p.add_argument("--skip-llama", action="store_true")
+    p.add_argument("--skip-qwen", action="store_true")
+    args = p.parse_args()
+    device = torch.device("cuda")
+    bw = measure_read_bandwidth(device)
+    report = {
+        "command": "python3 scripts/bench_decode.py " + " ".join(sys.argv[1:]),
+        "gpu": torch.cuda.get_device_name(), "read_bandwidth_GBps": bw / 1e9,
+        "time": time.strftime("%Y-%m-%d %H:%M:%S"),
+    }
+    print(f"GPU {report['gpu']}: measured read bandwidth {bw / 1e9:.0f} GB/s", flush=True)
+    if not args.skip_llama:
+        report["llama_3_8b_batch1"] = r = llama_batch1(bw, args.steps)
+        print(f"llama-3-8b B=1 ctx 1024: floor {r['floor_ms']:.2f} ms", flush=True)
+        for runner in ("v1", "v2"):
+            x = r[runner]
+            print(f"  {runner}: forward GPU {x['forward_gpu_ms']:.2f} ms ({x['forward_gpu_over_floor']:.2f}x floor), "
+                  f"wall {x['wall_ms']:.2f} ms ({x['wall_over_floor']:.2f}x), steady {x['steady_ms']:.2f} ms", flush=True)
+        print(f"  tokens identical V1 vs V2: {r['tokens_identical']}", flush=True)
+        with open(args.out, "w") as f:
+            json.dump(report, f, indent=1)
+    if not args.skip_qwen:
+        report["qwen3_0_6b_ladder"] = qwen_ladder(args.steps, [1, 64, 256, 512])
+    with open(args.out, "w") as f:
+        json.dump(report, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

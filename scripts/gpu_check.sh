@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# The GPU machine's one entry point: install what the image lacks from carried wheels,
+# run the gpu-marked tests, run the benchmarks, write everything under $OUT.
+#
+#   scripts/gpu_check.sh [tests|attention|decode|ab|throughput|all]...
+#
+# Run through the device tool from the repository root, carrying `.whl`:
+#   python3 -m pip download ... -d .whl pydantic==2.14.4 pydantic-core==2.50.5 \
+#       annotated-types typing-inspection          (see README "GPU machine")
+set -uo pipefail
+OUT="${OUT:-$(pwd)/out}"
+mkdir -p "$OUT"
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl || exit 1
+  export PYTHONPATH="$(pwd):/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
+else
+  export PYTHONPATH="$(pwd)${PYTHONPATH:+:$PYTHONPATH}"
+fi
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 HF_HUB_DISABLE_PROGRESS_BARS=1
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
+python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)" | tee -a "$OUT/gpu.txt"
+
+stages=("$@")
+[ ${#stages[@]} -eq 0 ] && stages=(all)
+want() { for s in "${stages[@]}"; do [ "$s" = "$1" ] || [ "$s" = all ] && return 0; done; return 1; }
+status=0
+
+if want tests; then
+  python3 -m pytest -q -m gpu -p no:cacheprovider tests -x --timeout=1200 2>&1 | tee "$OUT/pytest_gpu.log" \
+    || python3 -m pytest -q -m gpu -p no:cacheprovider tests 2>&1 | tee "$OUT/pytest_gpu.log"
+  status=$((status | ${PIPESTATUS[0]}))
+fi
+if want attention; then
+  python3 scripts/bench_attention.py --out "$OUT/attention.json" 2>&1 | tee "$OUT/attention.log"
+fi
+if want decode; then
+  python3 scripts/bench_decode.py --out "$OUT/decode.json" 2>&1 | tee "$OUT/decode.log"
+fi
+if want ab; then
+  python3 -m shared.cli ab --model qwen3-0.6b --load-format dummy --dtype bfloat16 --device cuda \
+    --workloads decode --output-dir "$OUT" 2>&1 | tee "$OUT/ab.log"
+fi
+if want throughput; then
+  python3 -m shared.cli ab --model qwen3-0.6b --load-format dummy --dtype bfloat16 --device cuda \
+    --workloads throughput --output-dir "$OUT/tp" 2>&1 | tee "$OUT/throughput.log"
+fi
+exit $status

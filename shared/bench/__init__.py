@@ -1,0 +1,1 @@
+"""Benchmark and differential harnesses behind `runnerlab ab` and `runnerlab diff`."""

@@ -1,0 +1,118 @@
+"""Measurement primitives shared by `runnerlab ab` and the scripts under scripts/.
+
+Timing rules: warm-up steps are excluded; medians and p90 over many steps; absolute
+GPU numbers only from CUDA events or after a synchronize; ratios of the two runners
+come from the same process and the same run.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from shared.engine import LLMEngine
+from shared.sampling_params import SamplingParams
+from shared.step_timing import STAGES
+
+
+def measure_read_bandwidth(device: torch.device, gib: float = 4.0, reps: int = 20) -> float:
+    """HBM read bandwidth in bytes/s: a sum over a buffer several times the L2 cache."""
+    if device.type != "cuda":
+        return float("nan")
+    n = int(gib * 2**30) // 4
+    x = torch.randn(n, dtype=torch.float32, device=device)
+    for _ in range(3):
+        x.sum()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        x.sum()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    del x
+    torch.cuda.empty_cache()
+    return n * 4 / float(np.median(times))
+
+
+@dataclass
+class StepSamples:
+    """Per-step samples of one measured run."""
+
+    wall_ms: list[float] = field(default_factory=list)
+    stage_ms: dict[str, list[float]] = field(default_factory=lambda: {s: [] for s in STAGES})
+    forward_gpu_ms: list[float] = field(default_factory=list)
+    modes: list[str] = field(default_factory=list)
+
+    def add(self, engine: LLMEngine, wall_ms: float) -> None:
+        stats = engine.step_stats
+        self.wall_ms.append(wall_ms)
+        for s in STAGES:
+            self.stage_ms[s].append(stats.stage_ms.get(s, 0.0))
+        gpu = stats.forward_gpu_ms()
+        if gpu is not None:
+            self.forward_gpu_ms.append(gpu)
+        self.modes.append(stats.cudagraph_mode)
+
+    def summary(self) -> dict:
+        def q(values: list[float]) -> dict:
+            if not values:
+                return {}
+            a = np.asarray(values)
+            return {"median": float(np.median(a)), "p90": float(np.percentile(a, 90)), "n": len(a)}
+
+        out = {"wall_ms": q(self.wall_ms), "stages_ms": {s: q(v) for s, v in self.stage_ms.items()}}
+        if self.forward_gpu_ms:
+            out["forward_gpu_ms"] = q(self.forward_gpu_ms)
+        out["cudagraph_modes"] = sorted(set(self.modes))
+        return out
+
+
+def decode_prompts(batch: int, prompt_len: int, vocab: int, seed: int) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return rng.integers(1, min(vocab, 10000), size=(batch, prompt_len)).tolist()
+
+
+def run_decode(
+    engine: LLMEngine, batch: int, prompt_len: int, warmup: int, steps: int, seed: int = 0,
+    tag: str = "d",
+) -> tuple[StepSamples, float, dict[str, list[int]]]:
+    """`batch` requests prefill, then decode together; measures `steps` decode steps
+    after `warmup` and returns (samples, unsynchronised steady-state ms/step, tokens)."""
+    params = SamplingParams(max_tokens=warmup + 2 * steps + 4, temperature=0.0, ignore_eos=True)
+    ids = [f"{tag}{i}" for i in range(batch)]
+    for req_id, prompt in zip(ids, decode_prompts(batch, prompt_len, engine.vocab_size, seed)):
+        engine.add_request(req_id, prompt, params)
+    tokens: dict[str, list[int]] = {}
+    # prefill until every request is decoding
+    while any(len(tokens.get(r, [])) == 0 for r in ids):
+        for out in engine.step():
+            tokens[out.request_id] = out.outputs[0].token_ids
+    for _ in range(warmup):
+        engine.step()
+    samples = StepSamples()
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        outs = engine.step()
+        samples.add(engine, (time.perf_counter() - t0) * 1e3)
+        for out in outs:
+            tokens[out.request_id] = out.outputs[0].token_ids
+    # Steady state without per-step timing hooks: wall time over a run of steps.
+    if engine.device.type == "cuda":
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        for out in engine.step():
+            tokens[out.request_id] = out.outputs[0].token_ids
+    if engine.device.type == "cuda":
+        torch.cuda.synchronize()
+    steady_ms = (time.perf_counter() - t0) * 1e3 / steps
+    engine.abort_request(ids)
+    while engine.has_unfinished_requests():
+        engine.step()
+    engine.step()  # carry the aborts to the runner
+    return samples, steady_ms, tokens

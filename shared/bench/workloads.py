@@ -1,0 +1,116 @@
+"""The A/B workloads: each runs one engine through one workload and returns samples.
+
+decode      N requests with short prompts decoding together (a batch ladder)
+prefill     batches of long prompts, chunked by the token budget
+churn       requests arriving and finishing every few steps (V1 holes, V2 free list)
+throughput  nano-vllm's offline workload: 256 requests, prompt and output lengths
+            uniform in [100, 1024], random token ids in [0, 10000], temperature 0.6
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from shared.bench.measure import StepSamples, run_decode
+from shared.engine import LLMEngine
+from shared.sampling_params import SamplingParams
+
+
+@dataclass
+class RunResult:
+    samples: StepSamples | None
+    tokens: dict[str, list[int]]
+    extra: dict
+
+
+def decode(engine: LLMEngine, batch: int, prompt_len: int, warmup: int, steps: int, tag: str) -> RunResult:
+    samples, steady_ms, tokens = run_decode(engine, batch, prompt_len, warmup, steps, tag=tag)
+    return RunResult(samples, tokens, {"steady_ms": steady_ms})
+
+
+def _drain(engine: LLMEngine, samples: StepSamples | None, tokens: dict[str, list[int]]) -> int:
+    steps = 0
+    while engine.has_unfinished_requests():
+        t0 = time.perf_counter()
+        outs = engine.step()
+        if samples is not None:
+            samples.add(engine, (time.perf_counter() - t0) * 1e3)
+        for out in outs:
+            tokens[out.request_id] = out.outputs[0].token_ids
+        steps += 1
+    return steps
+
+
+def prefill(engine: LLMEngine, num_prompts: int, prompt_len: int, tag: str) -> RunResult:
+    """Long prompts, one output token each: every step is (chunked) prefill."""
+    rng = np.random.default_rng(1)
+    params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    for i in range(num_prompts):
+        prompt = rng.integers(1, min(engine.vocab_size, 10000), prompt_len).tolist()
+        engine.add_request(f"{tag}{i}", prompt, params)
+    samples, tokens = StepSamples(), {}
+    t0 = time.perf_counter()
+    _drain(engine, samples, tokens)
+    elapsed = time.perf_counter() - t0
+    return RunResult(samples, tokens, {"prefill_tokens_per_s": num_prompts * prompt_len / elapsed})
+
+
+def churn(engine: LLMEngine, live: int, steps: int, tag: str) -> RunResult:
+    """Keep about `live` requests running; each lives 2-12 tokens, so every step some
+    finish (holes in V1, freed rows in V2) and new ones arrive."""
+    rng = random.Random(2)
+    samples, tokens = StepSamples(), {}
+    next_id = 0
+
+    def add() -> None:
+        nonlocal next_id
+        prompt = [rng.randint(1, min(engine.vocab_size, 10000) - 1) for _ in range(rng.randint(4, 24))]
+        params = SamplingParams(max_tokens=rng.randint(2, 12), temperature=0.0, ignore_eos=True)
+        engine.add_request(f"{tag}{next_id}", prompt, params)
+        next_id += 1
+
+    for _ in range(live):
+        add()
+    for _ in range(steps):
+        while engine.get_num_unfinished_requests() < live:
+            add()
+        t0 = time.perf_counter()
+        outs = engine.step()
+        samples.add(engine, (time.perf_counter() - t0) * 1e3)
+        for out in outs:
+            tokens[out.request_id] = out.outputs[0].token_ids
+    _drain(engine, None, tokens)
+    return RunResult(samples, tokens, {"requests": next_id})
+
+
+def nano_vllm_workload(num_requests: int = 256, min_len: int = 100, max_len: int = 1024):
+    """nano-vllm's bench.py workload, drawn in its order: all prompts, then all output
+    lengths. With the defaults the output-token total is 133,966 (prompt: 142,827)."""
+    random.seed(0)
+    prompts = [
+        [random.randint(0, 10000) for _ in range(random.randint(min_len, max_len))]
+        for _ in range(num_requests)
+    ]
+    max_tokens = [random.randint(min_len, max_len) for _ in range(num_requests)]
+    return prompts, max_tokens
+
+
+def throughput(engine: LLMEngine, prompts: list[list[int]], max_tokens: list[int], tag: str) -> RunResult:
+    """Every request at once, prefill included; output tokens / wall time. Seeds are set
+    per request so that both runners must produce the same tokens."""
+    for i, (prompt, n) in enumerate(zip(prompts, max_tokens)):
+        params = SamplingParams(max_tokens=n, temperature=0.6, ignore_eos=True, seed=i)
+        engine.add_request(f"{tag}{i}", prompt, params)
+    tokens: dict[str, list[int]] = {}
+    t0 = time.perf_counter()
+    steps = _drain(engine, None, tokens)
+    elapsed = time.perf_counter() - t0
+    total = sum(len(t) for t in tokens.values())
+    return RunResult(None, tokens, {
+        "seconds": elapsed, "output_tokens": total, "steps": steps,
+        "output_tokens_per_s": total / elapsed,
+    })
