@@ -169,12 +169,15 @@ def _top_p_threshold(
 def compute_logprobs(
     raw: torch.Tensor, tokens: torch.Tensor, max_num_logprobs: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Raw logprobs of the sampled token and the top max_num_logprobs, plus the rank."""
-    lse = torch.logsumexp(raw, dim=-1, keepdim=True)
+    """Raw logprobs of the sampled token and the top max_num_logprobs, plus the rank.
+
+    The logsumexp and the subtraction run in float64 and are rounded to raw's dtype
+    once, as V2 does, so the two runners agree to the last bit almost always."""
+    lse = torch.logsumexp(raw.to(torch.float64), dim=-1, keepdim=True)
     ids = tokens[:, None]
     if max_num_logprobs > 0:
         top = torch.topk(raw, max_num_logprobs, dim=-1).indices
         ids = torch.cat([ids, top], dim=1)
-    logprobs = raw.gather(1, ids) - lse
+    logprobs = (raw.gather(1, ids).to(torch.float64) - lse).to(raw.dtype)
     ranks = (raw > raw.gather(1, tokens[:, None])).sum(dim=-1) + 1
     return ids, logprobs, ranks

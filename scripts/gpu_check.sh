@@ -27,8 +27,8 @@ want() { for s in "${stages[@]}"; do [ "$s" = "$1" ] || [ "$s" = all ] && return
 status=0
 
 if want tests; then
-  python3 -m pytest -q -m gpu -p no:cacheprovider tests -x --timeout=1200 2>&1 | tee "$OUT/pytest_gpu.log" \
-    || python3 -m pytest -q -m gpu -p no:cacheprovider tests 2>&1 | tee "$OUT/pytest_gpu.log"
+  python3 -m pytest -q -m gpu -p no:cacheprovider -o addopts="" -rfE --durations=15 \
+    --junitxml="$OUT/pytest_gpu.xml" ${GPU_TESTS:-tests} 2>&1 | tee "$OUT/pytest_gpu.log"
   status=$((status | ${PIPESTATUS[0]}))
 fi
 if want attention; then

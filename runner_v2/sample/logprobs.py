@@ -2,7 +2,8 @@
 
 "Raw" = log_softmax of the unprocessed logits (vLLM's raw mode): penalties,
 temperature and filters do not change what is reported. A Triton kernel computes each
-row's logsumexp and the sampled token's rank (1 + number of tokens with a strictly
+row's logsumexp (in float64, like V1, so that the rounded logprobs agree to the last
+bit almost always) and the sampled token's rank (1 + number of tokens with a strictly
 larger logit) in two passes over the row; the top-n ids come from torch.topk. Only
 the selected ids are turned into logprobs: column 0 is the sampled token.
 """
@@ -22,7 +23,7 @@ def _lse_rank_kernel(
     logits_ptr,  # [N, vocab_size] raw logits, any float dtype, row stride logits_stride
     logits_stride,
     sampled_ptr,  # int64 [N]
-    lse_ptr,  # [N] compute dtype
+    lse_ptr,  # float64 [N]
     rank_ptr,  # int64 [N]
     vocab_size,
     BLOCK: tl.constexpr,
@@ -35,14 +36,15 @@ def _lse_rank_kernel(
     for start in range(0, vocab_size, BLOCK):
         offs = start + tl.arange(0, BLOCK)
         m = tl.maximum(m, tl.max(load_logits(row_ptr, offs, offs < vocab_size, IS_FP64), 0))
-    total = tl.zeros([], m.dtype)
+    m64 = m.to(tl.float64)
+    total = tl.zeros([], tl.float64)
     greater = tl.zeros([], tl.int64)
     for start in range(0, vocab_size, BLOCK):
         offs = start + tl.arange(0, BLOCK)
         x = load_logits(row_ptr, offs, offs < vocab_size, IS_FP64)
-        total += tl.sum(tl.exp(x - m), 0)  # masked lanes are -inf: exp gives 0
+        total += tl.sum(tl.exp(x.to(tl.float64) - m64), 0)  # masked lanes: exp(-inf) = 0
         greater += tl.sum((x > x_tok).to(tl.int64), 0)
-    tl.store(lse_ptr + b, m + tl.log(total))
+    tl.store(lse_ptr + b, m64 + tl.log(total))
     tl.store(rank_ptr + b, greater + 1)
 
 
@@ -56,7 +58,7 @@ def compute_logprobs(
     assert max_num_logprobs >= 0
     is_fp64 = logits.dtype == torch.float64
     cdt = torch.float64 if is_fp64 else torch.float32
-    lse = torch.empty(n, dtype=cdt, device=logits.device)
+    lse = torch.empty(n, dtype=torch.float64, device=logits.device)
     ranks = torch.empty(n, dtype=torch.int64, device=logits.device)
     if n > 0:
         _lse_rank_kernel[(n,)](
@@ -68,4 +70,5 @@ def compute_logprobs(
     if max_num_logprobs > 0:
         # topk on the compute dtype, as V1 does, so ties break the same way
         ids = torch.cat([ids, torch.topk(raw, max_num_logprobs, dim=-1).indices], dim=1)
-    return ids, raw.gather(1, ids) - lse[:, None], ranks
+    logprobs = (raw.gather(1, ids).to(torch.float64) - lse[:, None]).to(cdt)
+    return ids, logprobs, ranks

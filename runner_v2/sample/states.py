@@ -56,7 +56,6 @@ DEFAULT_MAX_STOP_IDS = 128
 class BatchFlags:
     """Which optional stages a batch needs, decided on the host (no device sync)."""
 
-    all_greedy: bool
     any_penalties: bool
     any_min_tokens: bool
     any_filter: bool  # top_k, top_p or min_p on a random row
@@ -125,21 +124,16 @@ class SamplingStates:
         top_k = sp.top_k if 0 < sp.top_k < self.vocab_size else 0
         prompt_len = len(prompt_token_ids)
 
-        rec = np.zeros(NUM_COLUMNS.value + self.max_stop_ids, np.int64)
-        floats = rec.view(np.float64)
-        rec[C_ROW.value] = row
-        floats[C_TEMPERATURE.value] = np.float32(sp.temperature)
-        rec[C_TOP_K.value] = top_k
-        floats[C_TOP_P.value] = np.float32(sp.top_p)
-        floats[C_MIN_P.value] = np.float32(sp.min_p)
-        rec[C_SEED.value] = seed
-        floats[C_REPETITION.value] = np.float32(sp.repetition_penalty)
-        floats[C_FREQUENCY.value] = np.float32(sp.frequency_penalty)
-        floats[C_PRESENCE.value] = np.float32(sp.presence_penalty)
-        rec[C_MIN_TOKENS.value] = sp.min_tokens
-        rec[C_PROMPT_LEN.value] = prompt_len
-        rec[C_NUM_STOP.value] = len(stop)
-        rec[NUM_COLUMNS.value:] = -1
+        rec = np.full(NUM_COLUMNS.value + self.max_stop_ids, -1, np.int64)  # ids pad: -1
+        for col, value in ((C_ROW, row), (C_TOP_K, top_k), (C_SEED, seed),
+                           (C_MIN_TOKENS, sp.min_tokens), (C_PROMPT_LEN, prompt_len),
+                           (C_NUM_STOP, len(stop))):
+            rec[col.value] = value
+        for col, value in ((C_TEMPERATURE, sp.temperature), (C_TOP_P, sp.top_p),
+                           (C_MIN_P, sp.min_p), (C_REPETITION, sp.repetition_penalty),
+                           (C_FREQUENCY, sp.frequency_penalty),
+                           (C_PRESENCE, sp.presence_penalty)):
+            rec.view(np.float64)[col.value] = np.float32(value)  # float32 value, exactly
         rec[NUM_COLUMNS.value : NUM_COLUMNS.value + len(stop)] = stop
         self._staged[row] = rec  # a row re-added before apply: the last request wins
 
@@ -242,7 +236,6 @@ class SamplingStates:
         random = self.temperature_np[rows] != 0
         filt = (self.top_k_np[rows] > 0) | (self.top_p_np[rows] < 1) | (self.min_p_np[rows] > 0)
         return BatchFlags(
-            all_greedy=not random.any(),
             any_penalties=bool(self.uses_penalties_np[rows].any()),
             any_min_tokens=bool((self.min_tokens_np[rows] > 0).any()),
             any_filter=bool((filt & random).any()),

@@ -150,7 +150,7 @@ def _threshold_kernel(
             thr = -neg_inf
             for start in range(0, vocab_size, BLOCK):
                 scaled, valid = _load_l(row_ptr, start, vocab_size, temp, BLOCK, IS_FP64)
-                ok = valid & ((scaled.to(tl.float64) - lmax.to(tl.float64)) > log_min_p + 0.01)
+                ok = valid & ((scaled.to(tl.float64) - lmax.to(tl.float64)) >= log_min_p)
                 thr = tl.minimum(thr, tl.min(tl.where(ok, scaled, float("inf")), 0))
         if k > 0:
             thr = tl.maximum(thr, _kth_largest(row_ptr, vocab_size, temp, k, lmin, lmax,

@@ -18,13 +18,15 @@ number of real rows within the captured size.
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass
 
 import torch
 
 from shared.attention.backend import AttentionBackend
 from shared.attention.metadata import CommonAttentionMetadata
-from shared.attention.triton_unified_attention import num_splits_for, paged_attention
+from shared.attention.triton_unified_attention import paged_attention
+from shared.triton_utils import next_power_of_2
 
 # Upper bound on KV splits per (request, kv head): 64 splits x 512 keys covers 32k.
 DEFAULT_MAX_NUM_SPLITS = 64
@@ -56,6 +58,17 @@ class TritonMetadataBuilder:
             run_single_query=uniform_decode or common.num_decodes > 0,
             run_multi_query=not uniform_decode,
         )
+
+
+def num_splits_for(num_reqs_padded: int, num_kv_heads: int, num_sms: int, max_splits: int) -> int:
+    """How many KV splits the single-query grid gets: enough programs to fill the GPU
+    about four times over. A pure function of padded sizes and the device, so a graph
+    captured at one padded batch size keeps it on every replay."""
+    programs = num_reqs_padded * num_kv_heads
+    target = 4 * num_sms
+    if programs >= target:
+        return 1
+    return max(1, min(next_power_of_2(math.ceil(target / programs)), max_splits))
 
 
 @functools.cache

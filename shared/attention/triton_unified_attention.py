@@ -28,7 +28,6 @@ Padded rows (query length 0, seq_len 0) and padded tokens are never written.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -425,14 +424,3 @@ def _launch_single_query(
             BLOCK_S=next_power_of_2(num_splits), MIN_TILES_PER_SPLIT=_MIN_TILES_PER_SPLIT,
             num_warps=4,
         )
-
-
-def num_splits_for(num_reqs_padded: int, num_kv_heads: int, num_sms: int, max_splits: int) -> int:
-    """How many KV splits the single-query grid gets: enough programs to fill the GPU
-    about four times over. A pure function of padded sizes and the device, so a graph
-    captured at one padded batch size keeps it on every replay."""
-    programs = num_reqs_padded * num_kv_heads
-    target = 4 * num_sms
-    if programs >= target:
-        return 1
-    return max(1, min(next_power_of_2(math.ceil(target / programs)), max_splits))

@@ -21,6 +21,10 @@ from typing import Any
 
 import torch
 
+# Before any transformers model code runs: building a model imports triton, and on a
+# machine without a GPU the interpreter must be chosen before triton's own @jit helpers
+# are decorated, or every V2 kernel launched later in this process fails.
+import shared.triton_utils  # noqa: F401
 from shared.sampling_params import SamplingParams
 
 logger = logging.getLogger("runnerlab")

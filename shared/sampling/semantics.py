@@ -21,7 +21,8 @@ Per row, on the logits converted to float32 (float64 when the model runs in floa
    < float64(top_p) * Z ("more probable" is decided on scaled, ties all kept);
    token = argmax over survivors of float64(scaled_i) + noise(seed, pos, i), lowest id on ties.
 6. logprobs: the sampled token's raw logprob, its rank (1 + number of tokens with a
-   strictly larger raw logit) and the top-n raw logprobs.
+   strictly larger raw logit) and the top-n raw logprobs; log_softmax is computed in
+   float64 and rounded once to the compute dtype.
 
 The noise here is an independent NumPy (uint64) implementation of the definition in
 shared/sampling/noise.py, so the tests compare three implementations of it.
@@ -76,8 +77,10 @@ class RowSample:
 
 
 def raw_logprobs(x: np.ndarray) -> np.ndarray:
-    m = x.max()
-    return x - (m + np.log(np.exp(x - m).sum()))
+    """log_softmax computed in float64, rounded once to x's dtype."""
+    x64 = x.astype(np.float64)
+    m = x64.max()
+    return (x64 - (m + np.log(np.exp(x64 - m).sum()))).astype(x.dtype)
 
 
 def processed_logits(

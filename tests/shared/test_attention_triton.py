@@ -134,3 +134,13 @@ def test_query_as_view_into_fused_qkv():
     got = run_backend(TritonBackend(num_splits=2), batch, 4, 32, 2)
     n = batch.num_actual_tokens
     torch.testing.assert_close(got[:n], expected[:n], atol=ATOL, rtol=RTOL)
+
+
+def test_split_count_depends_on_padded_rows_only():
+    from shared.attention.triton_backend import num_splits_for
+
+    # H200: 132 SMs, Llama-3-8B's 8 KV heads
+    assert num_splits_for(256, 8, 132, 64) == 1  # 2048 programs already fill it
+    assert num_splits_for(8, 8, 132, 64) == 16
+    assert num_splits_for(1, 8, 132, 64) == 64  # batch 1 x 32k: 512 programs
+    assert num_splits_for(1, 8, 132, 16) == 16  # capped

@@ -1,0 +1,351 @@
+"""`runnerlab diff`: the scenario library through V1, V2, Hugging Face and a solo run.
+
+    runnerlab diff [--model M] [--dtype float64] [--device cpu|cuda] [--scenarios a,b]
+                   [--seeds 0,1] [--engines v1,v2,hf,solo] [--quick] [--json]
+
+Engines: `v1`, `v2` (the runners, forced by argument), `hf` (transformers greedy on the
+same weights; greedy scenarios of a supported model only) and `solo` (each request
+alone through the first listed runner; scenarios that declare a solo reference). A
+random-weight preset is materialised as a seeded HF checkpoint (one per seed) whenever
+`hf` is asked for, and every engine then runs on that directory.
+
+Pairs: every two runners compare exactly (tokens, finish reasons, logprob dicts); a
+runner against `hf` or `solo` compares each reference request over the runner's tokens
+(an aborted request's prefix; `hf` only where the request is plain greedy).
+
+--json prints one document: {model, model_path, dtype, device, seeds, engines,
+scenarios: [{name, seed, summary, greedy, seeded, engines, skipped, expects, events,
+missing_events, leaked_blocks, error, agrees, pairs: [{a, b, identical,
+first_divergence: {request_id, position} | null, max_logprob_diff, logprob_tol,
+requests_compared, detail}]}], all_agree, wall_s}.
+
+Exit status: 0 when everything agrees; 1 on any divergence, logprob difference above
+tolerance, missing scenario event, leaked KV block or engine error (each named on
+stderr with its scenario and position); 2 on usage errors.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from shared.bench.compare import PairReport, compare_runs
+from shared.bench.scenario_run import RequestRecord, ScenarioRun, run_scenario, run_solo
+from shared.bench.scenarios import QUICK_SCENARIOS, SCENARIOS, Scenario, build_scenario
+
+RUNNERS = ("v1", "v2")
+ENGINES = (*RUNNERS, "hf", "solo")
+DEFAULT_ENGINES = "v1,v2,hf,solo"
+# |logprob| tolerance between runners (and a runner and its solo run): both share the
+# model and attention backend, so float64 agrees to rounding.
+LOGPROB_TOL = {"float64": 1e-9, "float32": 1e-4, "bfloat16": 5e-2, "float16": 1e-2}
+# transformers computes RMSNorm and RoPE in float32 even in a float64 model.
+HF_LOGPROB_TOL = {"float64": 1e-5, "float32": 1e-4, "bfloat16": 1e-1, "float16": 5e-2}
+
+
+# ---------------------------------------------------------------- running scenarios
+
+
+@dataclass
+class ScenarioReport:
+    name: str
+    seed: int
+    summary: str
+    greedy: bool
+    seeded: bool
+    engines: list[str] = field(default_factory=list)
+    skipped: dict[str, str] = field(default_factory=dict)
+    expects: list[str] = field(default_factory=list)
+    events: dict[str, int] = field(default_factory=dict)
+    missing_events: list[str] = field(default_factory=list)
+    leaked_blocks: dict[str, int] = field(default_factory=dict)
+    error: str | None = None
+    pairs: list[PairReport] = field(default_factory=list)
+
+    @property
+    def agrees(self) -> bool:
+        return (self.error is None and not self.missing_events
+                and not any(self.leaked_blocks.values()) and all(p.agrees for p in self.pairs))
+
+
+@dataclass
+class DiffSetup:
+    model: str  # what the user asked for
+    model_path: str  # what the engines load (a materialised checkpoint for random presets)
+    dtype: str
+    device: str
+    seed: int
+    engines: list[str]
+    hf: Any = None  # HFGreedy, when the model is supported and `hf` was asked for
+    hf_skip_reason: str | None = None
+    logprob_tol: float = 1e-9
+    hf_logprob_tol: float = 1e-5
+
+
+def build_engine(setup: DiffSetup, runner: str, engine_kwargs: dict[str, Any]):
+    from policy import EngineArgs
+    from shared.engine import LLMEngine
+
+    return LLMEngine.from_engine_args(EngineArgs(
+        model=setup.model_path, dtype=setup.dtype, device=setup.device, seed=setup.seed,
+        model_runner=runner, **engine_kwargs,
+    ))
+
+
+def run_one(setup: DiffSetup, scenario: Scenario) -> ScenarioReport:
+    """Run one scenario through every engine of `setup` and compare."""
+    report = ScenarioReport(scenario.name, setup.seed, scenario.summary, scenario.greedy,
+                            scenario.seeded, expects=list(scenario.expects))
+    runs: dict[str, ScenarioRun] = {}
+    try:
+        runs = _run_engines(setup, scenario, report)
+    except Exception as exc:  # an engine crash is a finding, reported with its scenario
+        report.error = f"{type(exc).__name__}: {exc}"
+    runners = [r for r in RUNNERS if r in runs]
+    if runners:
+        first = runs[runners[0]]
+        report.events = first.events()
+        report.missing_events = first.missing_events(scenario.expects)
+    report.pairs = _pairs(setup, runs, runners)
+    return report
+
+
+def _run_engines(setup: DiffSetup, scenario: Scenario, report: ScenarioReport):
+    runs: dict[str, ScenarioRun] = {}
+    runners = [e for e in setup.engines if e in RUNNERS]
+    for runner in runners:
+        report.engines.append(runner)
+        runs[runner] = run_scenario(build_engine(setup, runner, scenario.engine_kwargs()), scenario)
+    if "solo" in setup.engines:
+        if scenario.solo and runners:
+            report.engines.append("solo")
+            engine = build_engine(setup, runners[0], scenario.solo_engine_kwargs())
+            runs["solo"] = run_solo(engine, scenario)
+        else:
+            report.skipped["solo"] = "the scenario declares no solo reference"
+    if "hf" in setup.engines:
+        if setup.hf is None:
+            report.skipped["hf"] = setup.hf_skip_reason or "unsupported"
+        elif not scenario.greedy:
+            report.skipped["hf"] = "not a greedy scenario"
+        elif runners:
+            report.engines.append("hf")
+            runs["hf"] = _run_hf(setup.hf, scenario, runs[runners[0]])
+    for name, run in runs.items():
+        if name != "hf":
+            report.leaked_blocks[name] = run.num_total_blocks - run.num_free_blocks
+    return runs
+
+
+def _run_hf(hf: Any, scenario: Scenario, reference: ScenarioRun) -> ScenarioRun:
+    from shared.bench.hf_reference import hf_comparable
+
+    records: dict[str, RequestRecord] = {}
+    for label, add in scenario.labelled_adds().items():
+        produced = reference.requests.get(label)
+        if produced is None or not produced.token_ids or not hf_comparable(add.params):
+            continue
+        tokens, logprobs = hf.generate(list(add.prompt_token_ids), len(produced.token_ids))
+        records[label] = RequestRecord(
+            tokens, [{t: lp} for t, lp in zip(tokens, logprobs)], finish_reason=None
+        )
+    return ScenarioRun(records, [], 0, 0)
+
+
+def _pairs(setup: DiffSetup, runs: dict[str, ScenarioRun], runners: list[str]):
+    pairs = []
+    for i, a in enumerate(runners):
+        for b in runners[i + 1:]:
+            pairs.append(compare_runs(a, runs[a].requests, b, runs[b].requests,
+                                      setup.logprob_tol, reference=False))
+    for ref in ("hf", "solo"):
+        if ref in runs:
+            tol = setup.hf_logprob_tol if ref == "hf" else setup.logprob_tol
+            pairs += [compare_runs(a, runs[a].requests, ref, runs[ref].requests, tol, True)
+                      for a in runners]
+    return pairs
+
+
+def prepare(model: str, dtype: str, device: str, seed: int, engines: list[str],
+            workdir: str, hf_cache: dict[str, Any]) -> DiffSetup:
+    """Where the engines load from and the HF reference, for one seed."""
+    from shared.bench import hf_reference as hfr
+
+    setup = DiffSetup(model, model, dtype, device, seed, engines,
+                      logprob_tol=LOGPROB_TOL.get(dtype, 1e-4),
+                      hf_logprob_tol=HF_LOGPROB_TOL.get(dtype, 1e-4))
+    if "hf" not in engines:
+        return setup
+    if not hfr.hf_supports(model):
+        setup.hf_skip_reason = f"transformers is not a reference for model={model!r}"
+        return setup
+    if hfr.is_random_preset(model):
+        setup.model_path = hfr.materialize_checkpoint(model, seed, f"{workdir}/{model}-seed{seed}")
+    if setup.model_path not in hf_cache:
+        hf_cache[setup.model_path] = hfr.HFGreedy(setup.model_path, dtype, device)
+    setup.hf = hf_cache[setup.model_path]
+    return setup
+
+
+def vocab_size_of(model: str) -> int:
+    from policy.model_config import read_config_json, resolve_model_source
+
+    _, config_path, _ = resolve_model_source(model)
+    raw = read_config_json(config_path, model)
+    return int(raw.get("vocab_size") or raw["text_config"]["vocab_size"])
+
+
+def run_diff(model: str, dtype: str, device: str, scenarios: list[str], seeds: list[int],
+             engines: list[str], logprob_tol: float | None = None) -> list[ScenarioReport]:
+    """Every scenario for every seed through `engines`; one report per (seed, scenario)."""
+    reports = []
+    hf_cache: dict[str, Any] = {}
+    vocab = vocab_size_of(model)
+    with tempfile.TemporaryDirectory(prefix="runnerlab-diff-") as workdir:
+        for seed in seeds:
+            setup = prepare(model, dtype, device, seed, engines, workdir, hf_cache)
+            if logprob_tol is not None:
+                setup.logprob_tol = logprob_tol
+            for name in scenarios:
+                reports.append(run_one(setup, build_scenario(name, seed, vocab)))
+    return reports
+
+
+
+# ---------------------------------------------------------------- the command line
+
+
+def _csv(kind: str, choices: tuple[str, ...] | None = None):
+    def parse(text: str) -> list[str]:
+        items = [t.strip() for t in text.split(",") if t.strip()]
+        if not items:
+            raise argparse.ArgumentTypeError(f"{kind}: give at least one")
+        bad = [t for t in items if choices is not None and t not in choices]
+        if bad:
+            raise argparse.ArgumentTypeError(
+                f"unknown {kind} {', '.join(bad)}; known: {', '.join(choices or ())}")
+        return list(dict.fromkeys(items))
+    return parse
+
+
+def _seeds(text: str) -> list[int]:
+    try:
+        seeds = [int(t) for t in _csv("seeds")(text)]
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(f"seeds must be integers >= 0: {text!r}") from err
+    if any(s < 0 for s in seeds):
+        raise argparse.ArgumentTypeError(f"seeds must be integers >= 0: {text!r}")
+    return seeds
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="runnerlab diff",
+        description="V1 vs V2 vs Hugging Face vs solo runs over the differential scenarios. "
+        f"Scenarios: {', '.join(SCENARIOS)}.",
+    )
+    p.add_argument("--model", default="tiny-llama", help="preset or checkpoint directory")
+    p.add_argument("--dtype", default="float64",
+                   choices=["float64", "float32", "bfloat16", "float16"])
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--scenarios", type=_csv("scenario", tuple(SCENARIOS)), default=None,
+                   help="comma-separated (default: all; --quick: a subset)")
+    p.add_argument("--seeds", type=_seeds, default=[0], help="comma-separated, default 0")
+    p.add_argument("--engines", type=_csv("engine", ENGINES), default=DEFAULT_ENGINES.split(","),
+                   help=f"comma-separated from {', '.join(ENGINES)} (default {DEFAULT_ENGINES})")
+    p.add_argument("--quick", action="store_true",
+                   help=f"only {', '.join(QUICK_SCENARIOS)} (tiny-llama float64 CPU by default)")
+    p.add_argument("--logprob-tol", type=float, default=None,
+                   help="max |logprob diff| between runners and vs solo (default by dtype)")
+    p.add_argument("--json", action="store_true", help="print one JSON document")
+    return p
+
+
+def diff_main(argv: list[str]) -> int:
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # argparse: 0 for --help, 2 for a usage error
+        return int(exc.code or 0)
+    scenarios = args.scenarios or list(QUICK_SCENARIOS if args.quick else SCENARIOS)
+    if not any(e in RUNNERS for e in args.engines):
+        print("runnerlab diff: error: --engines needs v1 or v2 (hf and solo are references)",
+              file=sys.stderr)
+        return 2
+    start = time.perf_counter()
+    try:
+        reports = run_diff(args.model, args.dtype, args.device, scenarios, args.seeds,
+                           args.engines, args.logprob_tol)
+    except (ValueError, FileNotFoundError) as exc:  # a bad model, dtype or device
+        print(f"runnerlab diff: error: {exc}", file=sys.stderr)
+        return 2
+    doc = _document(args, reports, time.perf_counter() - start)
+    if args.json:
+        print(json.dumps(doc, indent=2))
+    else:
+        _print_table(doc)
+    for line in _problems(reports):
+        print(f"runnerlab diff: {line}", file=sys.stderr)
+    return 0 if doc["all_agree"] else 1
+
+
+def _document(args: argparse.Namespace, reports: list[ScenarioReport], wall_s: float) -> dict:
+    scenarios = []
+    for r in reports:
+        d = dataclasses.asdict(r)
+        d["agrees"] = r.agrees
+        for p, pd in zip(r.pairs, d["pairs"]):
+            pd["agrees"] = p.agrees
+        scenarios.append(d)
+    return {
+        "model": args.model, "dtype": args.dtype, "device": args.device, "seeds": args.seeds,
+        "engines": args.engines, "scenarios": scenarios,
+        "all_agree": bool(reports) and all(r.agrees for r in reports),
+        "wall_s": round(wall_s, 2),
+    }
+
+
+def _print_table(doc: dict) -> None:
+    print(f"runnerlab diff: model {doc['model']}, {doc['dtype']} on {doc['device']}, "
+          f"seeds {','.join(map(str, doc['seeds']))}")
+    print(f"{'scenario':<22} {'seed':>4}  {'pair':<9} {'identical':<9} "
+          f"{'first divergence':<22} {'max |dlogprob|':>14}")
+    for s in doc["scenarios"]:
+        for p in s["pairs"]:
+            fd = p["first_divergence"]
+            where = "-" if fd is None else f"{fd['request_id']}@{fd['position']}"
+            lp = p["max_logprob_diff"]
+            lp_text = "-" if lp is None else f"{lp:.2e}"
+            flag = "" if p["agrees"] else f"  <-- {p['detail']}"
+            print(f"{s['name']:<22} {s['seed']:>4}  {p['a'] + '-' + p['b']:<9} "
+                  f"{'yes' if p['identical'] else 'NO':<9} {where:<22} {lp_text:>14}{flag}")
+        notes = [f"skipped {k}: {v}" for k, v in s["skipped"].items()]
+        notes += [f"MISSING EVENT {e}" for e in s["missing_events"]]
+        notes += [f"LEAKED {n} KV blocks ({k})" for k, n in s["leaked_blocks"].items() if n]
+        notes += [f"ERROR {s['error']}"] if s["error"] else []
+        for note in notes:
+            print(f"{s['name']:<22} {s['seed']:>4}  {note}")
+    print(f"all agree: {'yes' if doc['all_agree'] else 'NO'} ({doc['wall_s']:.1f} s)")
+
+
+def _problems(reports: list[ScenarioReport]) -> list[str]:
+    lines = []
+    for r in reports:
+        where = f"scenario {r.name} (seed {r.seed})"
+        if r.error:
+            lines.append(f"{where}: engine error: {r.error}")
+        lines += [f"{where}: expected event {e!r} did not occur" for e in r.missing_events]
+        lines += [f"{where}: {n} KV blocks not freed by {k}"
+                  for k, n in r.leaked_blocks.items() if n]
+        for p in r.pairs:
+            if not p.agrees:
+                fd = p.first_divergence
+                lines.append(f"{where}: {p.a} vs {p.b} diverge at request {fd.request_id!r} "
+                             f"position {fd.position}: {p.detail}")
+    return lines
