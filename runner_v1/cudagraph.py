@@ -136,7 +136,9 @@ class V1CudaGraphs:
         b = self.buffers
         b.input_ids.gpu[:size].zero_()
         b.positions.gpu[:size].zero_()
-        b.query_start_loc.gpu[: size + 1].copy_(torch.arange(size + 1, dtype=torch.int32))
+        b.query_start_loc.gpu[: size + 1].copy_(
+            torch.arange(size + 1, dtype=torch.int32, device=self.device)
+        )
         b.seq_lens.gpu[:size].fill_(1)
         slot_mapping = self.input_batch.block_table.slot_mapping.gpu
         slot_mapping[:size].fill_(PAD_SLOT_ID)

@@ -80,7 +80,9 @@ class CudaGraphManager:
         b = self.buffers
         b.input_ids[:size].zero_()
         b.positions[:size].zero_()
-        b.query_start_loc[: size + 1].copy_(torch.arange(size + 1, dtype=torch.int32))
+        b.query_start_loc[: size + 1].copy_(
+            torch.arange(size + 1, dtype=torch.int32, device=b.device)
+        )
         b.seq_lens[:size].fill_(1)
         block_table = self.block_tables.input_block_tables[:size]
         block_table.zero_()

@@ -20,7 +20,7 @@ import torch
 
 from shared.outputs import CompletionOutput, RequestOutput
 from shared.request import Request
-from shared.sampling_params import SamplingParams
+from shared.sampling_params import SamplingParams, SamplingParamsError
 from shared.scheduler import Scheduler
 
 logger = logging.getLogger("runnerlab")
@@ -101,35 +101,52 @@ class LLMEngine:
     def add_request(
         self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams
     ) -> None:
-        self._validate_prompt(request_id, prompt_token_ids)
-        if not isinstance(sampling_params, SamplingParams):
+        """Queue one request. A bad request raises EngineInputError before anything is
+        queued, so the requests already in flight are untouched."""
+        if not isinstance(request_id, str):
             raise EngineInputError(
-                f"request {request_id!r}: sampling_params must be a SamplingParams, "
-                f"got {type(sampling_params).__name__}"
+                f"request id {request_id!r} is a {type(request_id).__name__}; pass a str"
             )
-        params = sampling_params
+        if request_id in self.scheduler.requests:
+            raise EngineInputError(
+                f"request id {request_id!r} is already in use by a running or waiting request; "
+                "use a new id, or abort_request() the first one before resubmitting"
+            )
+        prompt_token_ids = self._validate_prompt(request_id, prompt_token_ids)
+        params = self._validate_params(request_id, sampling_params)
         if params.seed is None:
             # Every request gets a seed at admission, so its random stream is a pure
             # function of (seed, position, vocab id) in both runners.
-            params = dataclasses.replace(params, seed=self._seed_rng.randrange(2**63))
-        request = Request(
-            request_id, list(prompt_token_ids), params, self.eos_token_id, self._arrivals
-        )
+            params.seed = self._seed_rng.randrange(2**63)
+        request = Request(request_id, prompt_token_ids, params, self.eos_token_id, self._arrivals)
         self._arrivals += 1
-        self.scheduler.add_request(request)  # raises on a duplicate live id
+        self.scheduler.add_request(request)
         self._detok[request_id] = 0
 
-    def _validate_prompt(self, request_id: str, prompt: list[int]) -> None:
-        if len(prompt) == 0:
-            raise EngineInputError(f"request {request_id!r}: the prompt is empty; pass at least one token")
-        if len(prompt) >= self.max_model_len:
+    def _validate_prompt(self, request_id: str, prompt: Any) -> list[int]:
+        if isinstance(prompt, str):
             raise EngineInputError(
-                f"request {request_id!r}: prompt of {len(prompt)} tokens leaves no room to generate "
+                f"request {request_id!r}: the prompt is text; add_request takes token ids "
+                "(tokenize it first, or use LLM.generate, which tokenizes for models with a tokenizer)"
+            )
+        try:
+            arr = np.asarray(prompt)
+        except (TypeError, ValueError) as exc:  # e.g. a ragged nested list
+            raise EngineInputError(
+                f"request {request_id!r}: prompt token ids must be a flat list of ints ({exc})"
+            ) from exc
+        if arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iu"):
+            raise EngineInputError(
+                f"request {request_id!r}: prompt token ids must be a flat list of ints, got an "
+                f"array of shape {arr.shape} and dtype {arr.dtype}"
+            )
+        if arr.size == 0:
+            raise EngineInputError(f"request {request_id!r}: the prompt is empty; pass at least one token")
+        if arr.size >= self.max_model_len:
+            raise EngineInputError(
+                f"request {request_id!r}: prompt of {arr.size} tokens leaves no room to generate "
                 f"within max_model_len={self.max_model_len}; shorten the prompt or raise max_model_len"
             )
-        arr = np.asarray(prompt)
-        if arr.dtype.kind not in "iu":
-            raise EngineInputError(f"request {request_id!r}: prompt token ids must be integers")
         bad = (arr < 0) | (arr >= self.vocab_size)
         if bad.any():
             pos = int(np.argmax(bad))
@@ -137,6 +154,35 @@ class LLMEngine:
                 f"request {request_id!r}: token id {int(arr[pos])} at position {pos} is outside "
                 f"the vocabulary [0, {self.vocab_size})"
             )
+        return arr.tolist()
+
+    def _validate_params(self, request_id: str, sampling_params: Any) -> SamplingParams:
+        """A private, re-validated copy: a SamplingParams mutated after construction (it is a
+        plain dataclass) is checked again, and the caller's later edits cannot reach a
+        request in flight. Also the limits that depend on the model."""
+        if not isinstance(sampling_params, SamplingParams):
+            raise EngineInputError(
+                f"request {request_id!r}: sampling_params must be a SamplingParams, "
+                f"got {type(sampling_params).__name__}"
+            )
+        try:
+            params = dataclasses.replace(sampling_params)  # re-runs __post_init__ validation
+        except SamplingParamsError as exc:
+            raise EngineInputError(f"request {request_id!r}: {exc}") from exc
+        if params.logprobs is not None and params.logprobs > self.vocab_size:
+            raise EngineInputError(
+                f"request {request_id!r}: SamplingParams.logprobs={params.logprobs} exceeds the "
+                f"vocabulary size {self.vocab_size}; ask for at most {self.vocab_size}"
+            )
+        bad_stops = [t for t in params.stop_token_ids if t >= self.vocab_size]
+        if bad_stops:
+            # The samplers index logits by stop id (min_tokens masking): out of range would
+            # be an out-of-bounds write on the device.
+            raise EngineInputError(
+                f"request {request_id!r}: SamplingParams.stop_token_ids {bad_stops} are outside "
+                f"the vocabulary [0, {self.vocab_size})"
+            )
+        return params
 
     def abort_request(self, request_ids: Iterable[str] | str) -> None:
         if isinstance(request_ids, str):

@@ -196,35 +196,14 @@ class SamplingStates:
         # From pageable memory the copy has finished reading `packed` when it returns.
         dev = torch.from_numpy(packed).to(self.device, non_blocking=True)
         n, width = records.shape
-        self._launch_write_rows(dev[: n * width].view(n, width))
+        write_rows(self, dev[: n * width].view(n, width))
         if m:
             off = n * width
             rows = dev[off : off + m]
             prompt_lens = dev[off + m : off + 2 * m]
             starts_d = dev[off + 2 * m : off + 3 * m + 1]
             tokens_d = dev[off + 3 * m + 1 :]
-            self._launch_bincount(rows, prompt_lens, starts_d, tokens_d)
-
-    def _launch_write_rows(self, records: torch.Tensor) -> None:
-        n, width = records.shape
-        assert width == NUM_COLUMNS.value + self.max_stop_ids and records.dtype == torch.int64
-        _write_rows_kernel[(n,)](
-            records, self.temperature, self.top_k, self.top_p, self.min_p, self.seeds,
-            self.repetition_penalty, self.frequency_penalty, self.presence_penalty,
-            self.min_tokens, self.prompt_len, self.num_stop_ids, self.stop_ids,
-            WIDTH=width, MAX_STOP=self.max_stop_ids,
-            BLOCK=triton.next_power_of_2(self.max_stop_ids),
-        )
-
-    def _launch_bincount(self, rows, prompt_lens, starts, tokens) -> None:
-        assert self.prompt_bin_mask is not None and self.output_bin_counts is not None
-        # Rebuild the rows from zero: whatever an earlier request left there is stale.
-        self.prompt_bin_mask.index_fill_(0, rows, 0)
-        self.output_bin_counts.index_fill_(0, rows, 0)
-        _bincount_kernel[(rows.shape[0],)](
-            tokens, starts, rows, prompt_lens, self.prompt_bin_mask, self.output_bin_counts,
-            self.vocab_size, self.prompt_bin_mask.shape[1], BLOCK=1024,
-        )
+            bincount_rows(self, rows, prompt_lens, starts_d, tokens_d)
 
     # ---- flags -------------------------------------------------------------------
 
@@ -276,6 +255,19 @@ def _write_rows_kernel(
     tl.store(stop_ids_ptr + row * MAX_STOP + offs, ids.to(tl.int32), mask=offs < MAX_STOP)
 
 
+def write_rows(states: SamplingStates, records: torch.Tensor) -> None:
+    """Scatter staged records (int64 [n, WIDTH], already on the device) into the rows."""
+    n, width = records.shape
+    assert width == NUM_COLUMNS.value + states.max_stop_ids and records.dtype == torch.int64
+    _write_rows_kernel[(n,)](
+        records, states.temperature, states.top_k, states.top_p, states.min_p, states.seeds,
+        states.repetition_penalty, states.frequency_penalty, states.presence_penalty,
+        states.min_tokens, states.prompt_len, states.num_stop_ids, states.stop_ids,
+        WIDTH=width, MAX_STOP=states.max_stop_ids,
+        BLOCK=triton.next_power_of_2(states.max_stop_ids),
+    )
+
+
 @triton.jit
 def _bincount_kernel(
     tokens_ptr,  # int64 [T]: per penalty row, its prompt then its resumed outputs
@@ -302,3 +294,24 @@ def _bincount_kernel(
         bit = (tl.full([BLOCK], 1, tl.int64) << (tok % 32)).to(tl.int32)
         tl.atomic_or(prompt_mask_ptr + row * num_words + tok // 32, bit, mask=valid & is_prompt)
         tl.atomic_add(counts_ptr + row * vocab_size + tok, 1, mask=valid & ~is_prompt)
+
+
+def bincount_rows(
+    states: SamplingStates,
+    rows: torch.Tensor,
+    prompt_lens: torch.Tensor,
+    starts: torch.Tensor,
+    tokens: torch.Tensor,
+) -> None:
+    """Rebuild the penalty rows `rows` (int64 [m], device) from their tokens."""
+    mask, counts = states.prompt_bin_mask, states.output_bin_counts
+    assert mask is not None and counts is not None
+    assert rows.dtype == prompt_lens.dtype == starts.dtype == tokens.dtype == torch.int64
+    assert starts.shape == (rows.shape[0] + 1,) and prompt_lens.shape == rows.shape
+    # From zero: whatever an earlier request of the same row left there is stale.
+    mask.index_fill_(0, rows, 0)
+    counts.index_fill_(0, rows, 0)
+    _bincount_kernel[(rows.shape[0],)](
+        tokens, starts, rows, prompt_lens, mask, counts, states.vocab_size, mask.shape[1],
+        BLOCK=1024,
+    )

@@ -136,14 +136,14 @@ def _run_engines(setup: DiffSetup, scenario: Scenario, report: ScenarioReport):
             report.skipped["hf"] = "not a greedy scenario"
         elif runners:
             report.engines.append("hf")
-            runs["hf"] = _run_hf(setup.hf, scenario, runs[runners[0]])
+            runs["hf"] = run_hf(setup.hf, scenario, runs[runners[0]])
     for name, run in runs.items():
         if name != "hf":
             report.leaked_blocks[name] = run.num_total_blocks - run.num_free_blocks
     return runs
 
 
-def _run_hf(hf: Any, scenario: Scenario, reference: ScenarioRun) -> ScenarioRun:
+def run_hf(hf: Any, scenario: Scenario, reference: ScenarioRun) -> ScenarioRun:
     from shared.bench.hf_reference import hf_comparable
 
     records: dict[str, RequestRecord] = {}

@@ -198,7 +198,8 @@ def prefix_cache(rng: random.Random, vocab: int) -> Scenario:
 def padded_batch(rng: random.Random, vocab: int) -> Scenario:
     lens, max_tokens = [3, 10, 5, 8, 4, 9, 6], [2, 2, 2, 2, 6, 6, 6]
     actions = _adds(rng, vocab, [
-        (f"r{i}", n, _greedy(m)) for i, (n, m) in enumerate(zip(lens, max_tokens))
+        (f"r{i}", n, _greedy(m, logprobs=1 if i == 5 else None))
+        for i, (n, m) in enumerate(zip(lens, max_tokens))
     ])
     return Scenario(
         "padded_batch", "7 decodes, then 3 (a padded graph size on GPU): stale rows",

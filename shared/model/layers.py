@@ -58,9 +58,7 @@ class Linear(nn.Module):
         self.in_features = in_features
         self.out_features = out_features
         self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
-        self.bias = (
-            nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
-        )
+        self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight, self.bias)

@@ -147,9 +147,7 @@ class LlamaForCausalLM(nn.Module):
     # --- the interface the runners call --------------------------------------------
     def _make_layer(self, layer_idx: int, prefix: str) -> LlamaDecoderLayer:
         cfg = self.config
-        attn = LlamaAttention(
-            cfg, self.rope, f"{prefix}.self_attn", **self._attention_options(cfg)
-        )
+        attn = LlamaAttention(cfg, self.rope, f"{prefix}.self_attn", **self._attention_options(cfg))
         return LlamaDecoderLayer(cfg, attn, self._make_mlp(cfg, layer_idx, f"{prefix}.mlp"))
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

@@ -22,7 +22,8 @@ from shared.model.registry import get_model_class, resolve_architecture
 logger = logging.getLogger("runnerlab")
 
 LOAD_FORMATS = ("auto", "dummy")
-DUMMY_STD = 0.02
+DUMMY_BIAS_STD = 0.02
+DUMMY_ATTN_OUT_SCALE = 0.25
 _PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 
 
@@ -58,7 +59,9 @@ def safetensors_files(model_dir: str) -> list[str]:
     paths = [os.path.join(model_dir, n) for n in names]
     missing = [p for p in paths if not os.path.isfile(p)]
     if missing:
-        raise FileNotFoundError(f"{model_dir!r}: the safetensors index lists missing files {missing}")
+        raise FileNotFoundError(
+            f"{model_dir!r}: the safetensors index lists missing files {missing}"
+        )
     return paths
 
 
@@ -73,14 +76,22 @@ def iter_safetensors_weights(model_dir: str) -> Iterator[tuple[str, torch.Tensor
 
 
 @torch.no_grad()
-def initialize_dummy_weights(model: nn.Module, seed: int, std: float = DUMMY_STD) -> None:
-    """Seeded random weights: N(0, std) for every matrix and bias, ones for norm weights.
+def initialize_dummy_weights(model: nn.Module, seed: int) -> None:
+    """Seeded random weights that behave like a trained model's in scale.
 
-    The values are drawn in float32 on the parameter's device with a torch.Generator
-    (fast for an 8B model on a GPU) and then cast, so a seed gives the same model in
-    float32 and float64 on one device type. std 0.02 keeps each layer's contribution to
-    the residual stream O(1), so activations stay finite over many layers while the
-    hidden state still varies with the input (a random model's greedy tokens vary)."""
+    - norm weights: ones; biases: N(0, 0.02);
+    - every matrix: N(0, 1/fan_in) (fan_in = the last dim), about 0.02 at Llama sizes
+      (0.016 at hidden 4096). Each projection then maps O(1) activations to O(1) ones
+      whatever the model size, and the residual stream grows like sqrt(layers): finite
+      in bf16 over 30+ layers;
+    - attention o_proj: a further x0.25. A random model's attention is diffuse, so its
+      output is nearly the same context average at every position; at full scale that
+      common part swamps the per-token signal after a few dozen layers and greedy decoding
+      repeats one token. Damped, the per-token MLP path keeps the tokens varied.
+
+    Values are drawn in float32 on the parameter's device with a torch.Generator (fast for
+    an 8B model on a GPU), then cast: one seed gives the same model in float32 and float64
+    on one device type."""
     norms = {f"{n}.weight" for n, m in model.named_modules() if isinstance(m, RMSNorm)}
     generators: dict[torch.device, torch.Generator] = {}
     chunk = 1 << 24  # bounds the float32 scratch for the largest matrices
@@ -88,6 +99,12 @@ def initialize_dummy_weights(model: nn.Module, seed: int, std: float = DUMMY_STD
         if name in norms:
             param.fill_(1.0)
             continue
+        if param.dim() == 1:
+            std = DUMMY_BIAS_STD
+        else:
+            std = param.shape[-1] ** -0.5
+            if name.endswith(".o_proj.weight"):
+                std *= DUMMY_ATTN_OUT_SCALE
         gen = generators.get(param.device)
         if gen is None:
             gen = torch.Generator(device=param.device).manual_seed(seed)

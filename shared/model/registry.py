@@ -25,6 +25,7 @@ def get_model_class(arch: str) -> type:
     module_name, class_name = _MODELS[arch].split(":")
     return getattr(importlib.import_module(module_name), class_name)
 
+
 # model_type -> architecture, for configs that carry no `architectures` (a GGUF's config)
 _MODEL_TYPES = {
     "llama": "LlamaForCausalLM",

@@ -287,6 +287,26 @@ def test_compiled_triton_matches_v1_on_cuda(dtype: torch.dtype) -> None:
     assert_same(v2, v1)
 
 
+@pytest.mark.gpu
+def test_sampler_call_does_not_sync_on_cuda() -> None:
+    vocab = 32_000
+    rng = np.random.default_rng(15)
+    rows = [Row(SamplingParams(seed=i, max_tokens=64, **FEATURES[f]), [1, 2, 3], [4] * i)
+            for i, f in enumerate(FEATURES)]
+    states = SamplingStates(64, vocab, "cuda")
+    add_rows(states, list(range(len(rows))), rows)
+    logits = torch.from_numpy(rng.normal(0, 3, (len(rows), vocab))).float().cuda()
+    idx_np = np.arange(len(rows), dtype=np.int32)
+    idx = torch.from_numpy(idx_np).cuda()
+    positions = torch.tensor([r.pos for r in rows], dtype=torch.int64).cuda()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        Sampler(states)(logits, idx, positions, 4, idx_mapping_np=idx_np)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
 def _to_cuda(md):
     from dataclasses import fields, replace
 

@@ -70,7 +70,7 @@ def test_triton_matches_torch_large_ragged(dtype, num_heads, num_kv_heads, head_
 @pytest.mark.parametrize("num_reqs,ctx", [(1, 32768), (4, 20000), (256, 1024)])
 def test_triton_decode_split_kv(num_reqs, ctx):
     # auto split count: batch 1 x 32k gets many splits, batch 256 none
-    batch = make_batch([1] * num_reqs, [ctx - 7 * i for i in range(num_reqs)], 32, 8, 128, 16,
+    batch = make_batch([1] * num_reqs, [ctx - (7 * i) % 512 for i in range(num_reqs)], 32, 8, 128, 16,
                        dtype=torch.bfloat16, device="cuda", pad_reqs=1, pad_tokens=1)
     got = check(batch, 32, 128, 8, torch.bfloat16)
     assert got[num_reqs:].isnan().all()

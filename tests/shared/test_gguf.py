@@ -84,9 +84,7 @@ def test_smollm2_prompt_logits_match_transformers(smollm2):
 @pytest.mark.slow
 def test_smollm2_greedy_decode_matches_transformers(smollm2):
     with torch.no_grad():
-        out = smollm2.hf.generate(
-            torch.tensor([smollm2.ids]), max_new_tokens=12, do_sample=False
-        )
+        out = smollm2.hf.generate(torch.tensor([smollm2.ids]), max_new_tokens=12, do_sample=False)
     hf_tokens = out[0, len(smollm2.ids) :].tolist()
 
     harness = PagedHarness(smollm2.ours, num_blocks=8, block_size=16)

@@ -105,11 +105,13 @@ def test_dummy_init_is_seeded():
     a, b, c = _dummy("qwen2-moe", 0), _dummy("qwen2-moe", 0), _dummy("qwen2-moe", 1)
     sa, sb, sc = a.state_dict(), b.state_dict(), c.state_dict()
     assert all(torch.equal(sa[k], sb[k]) for k in sa)
-    assert not torch.equal(sa["model.layers.0.self_attn.qkv_proj.weight"], sc[
-        "model.layers.0.self_attn.qkv_proj.weight"])
+    assert not torch.equal(
+        sa["model.layers.0.self_attn.qkv_proj.weight"],
+        sc["model.layers.0.self_attn.qkv_proj.weight"],
+    )
     assert torch.equal(sa["model.layers.0.input_layernorm.weight"], torch.ones(64))
-    w = sa["model.layers.0.mlp.experts.gate_up_proj"]
-    assert abs(w.std().item() - 0.02) < 0.002 and abs(w.mean().item()) < 0.002
+    w = sa["model.layers.0.mlp.experts.gate_up_proj"]  # [E, 2I, H]: std 1/sqrt(H)
+    assert abs(w.std().item() - 64**-0.5) < 0.01 and abs(w.mean().item()) < 0.01
     # the same seed gives the same model in float64 (values drawn in float32, then cast)
     d = _dummy("qwen2-moe", 0, torch.float64).state_dict()
     assert all(torch.equal(sa[k].double(), d[k]) for k in sa)
@@ -131,12 +133,13 @@ def test_dummy_model_is_finite_and_varied_over_many_layers(name):
     prompt = list(range(10, 50, 3))
     logits = harness.step([(prompt, 0, blocks)])
     assert torch.isfinite(logits).all()
+    assert len(set(logits.argmax(-1).tolist())) >= len(prompt) // 2
     tokens = [int(logits[-1].argmax())]
-    for i in range(15):
+    for i in range(11):
         logits = harness.step([([tokens[-1]], len(prompt) + i, blocks)])
         assert torch.isfinite(logits).all()
         tokens.append(int(logits[-1].argmax()))
-    assert len(set(tokens)) >= 4, f"greedy tokens of a random model collapsed: {tokens}"
+    assert len(set(tokens)) >= 6, f"greedy tokens of a random model collapsed: {tokens}"
 
 
 def test_rope_cache_keeps_its_precision_across_dtype_moves():
