@@ -55,14 +55,17 @@ class CudaGraphWrapper:
             return output
         return self.model(input_ids, positions)
 
-    def capture(self, desc: BatchDescriptor, run: Any) -> None:
+    def capture(self, desc: BatchDescriptor, prepare: Any, run: Any) -> None:
+        """`prepare()` fills the persistent buffers (outside the graph); `run(metadata)`
+        is the forward that gets captured."""
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
-        run()  # eager warm-up: Triton JIT and allocator state outside the capture
+        run(prepare())  # eager warm-up: Triton JIT and allocator state outside the capture
         torch.cuda.synchronize()
+        metadata = prepare()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
-            output = run()
+            output = run(metadata)
         self.graphs[desc] = (graph, output)
 
 
@@ -119,7 +122,10 @@ class V1CudaGraphs:
         free_before = torch.cuda.mem_get_info()[0]
         for size in sorted(self.capture_sizes, reverse=True):  # largest first: pool reuse
             desc = BatchDescriptor("FULL", size, size)
-            self.wrapper.capture(desc, lambda s=size, d=desc: self._dummy_decode_forward(s, d))
+            self.wrapper.capture(
+                desc, lambda s=size: self._fill_dummy_inputs(s),
+                lambda common, s=size: self._captured_forward(s, common),
+            )
         # From now on the executor's model call goes through the wrapper.
         self.executor.model_call = self.wrapper
         torch.cuda.synchronize()
@@ -130,9 +136,20 @@ class V1CudaGraphs:
             time.perf_counter() - start, used / 1e6,
         )
 
-    def _dummy_decode_forward(self, size: int, desc: BatchDescriptor) -> torch.Tensor:
-        """A uniform decode of `size` rows over the persistent buffers. Slots are PAD and
-        block-table rows zero, so capture writes nothing into the KV cache."""
+    def _captured_forward(self, size: int, common: CommonAttentionMetadata) -> torch.Tensor:
+        """A uniform decode of `size` rows over the persistent buffers. Only this part is
+        captured (metadata build + forward): the buffer set-up stays OUTSIDE the graph,
+        or every replay would reset the step's real inputs to the dummy batch."""
+        attn_metadata = self.executor.build_attn_metadata(common)
+        b = self.buffers
+        return self.executor.forward(
+            b.input_ids.gpu[:size], b.positions.gpu[:size], attn_metadata, size,
+            cudagraph_mode="FULL", batch_descriptor=None,  # None: run, do not replay
+        )
+
+    def _fill_dummy_inputs(self, size: int) -> CommonAttentionMetadata:
+        """Slots are PAD and block-table rows zero, so capture writes nothing into the KV
+        cache; called before (not inside) each capture."""
         b = self.buffers
         b.input_ids.gpu[:size].zero_()
         b.positions.gpu[:size].zero_()
@@ -143,7 +160,7 @@ class V1CudaGraphs:
         slot_mapping = self.input_batch.block_table.slot_mapping.gpu
         slot_mapping[:size].fill_(PAD_SLOT_ID)
         block_table = self.input_batch.block_table.block_table.gpu
-        common = CommonAttentionMetadata(
+        return CommonAttentionMetadata(
             query_start_loc=b.query_start_loc.gpu[: size + 1],
             seq_lens=b.seq_lens.gpu[:size],
             block_table=block_table[:size],
@@ -156,9 +173,4 @@ class V1CudaGraphs:
             num_prefills=0,
             num_decode_tokens=size,
             block_size=self.executor.block_size,
-        )
-        attn_metadata = self.executor.build_attn_metadata(common)
-        return self.executor.forward(
-            b.input_ids.gpu[:size], b.positions.gpu[:size], attn_metadata, size,
-            cudagraph_mode="FULL", batch_descriptor=None,  # None: run, do not replay
         )

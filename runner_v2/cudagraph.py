@@ -60,11 +60,15 @@ class CudaGraphManager:
         self.pool = torch.cuda.graph_pool_handle()
         for size in sorted(self.capture_sizes, reverse=True):  # largest first: pool reuse
             desc = BatchDescriptor("FULL", size, size)
-            self._dummy_decode_forward(size)  # eager warm-up (Triton JIT) outside capture
+            # eager warm-up (Triton JIT, allocator) outside the capture
+            self._captured_forward(size, self._fill_dummy_inputs(size))
             torch.cuda.synchronize()
+            # The buffer set-up stays OUTSIDE the graph: captured, every replay would
+            # reset the step's real inputs to this dummy batch.
+            common = self._fill_dummy_inputs(size)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.pool):
-                hidden_states = self._dummy_decode_forward(size)
+                hidden_states = self._captured_forward(size, common)
             self.graphs[desc] = (graph, hidden_states)
         torch.cuda.synchronize()
         used = free_before - torch.cuda.mem_get_info()[0]
@@ -74,7 +78,13 @@ class CudaGraphManager:
             time.perf_counter() - start, used / 1e6,
         )
 
-    def _dummy_decode_forward(self, size: int) -> torch.Tensor:
+    def _captured_forward(self, size: int, common: CommonAttentionMetadata) -> torch.Tensor:
+        """What a FULL graph holds: the metadata build and the whole forward."""
+        attn_metadata = self.executor.build_attn_metadata(common)
+        b = self.buffers
+        return self.executor.forward(b.input_ids[:size], b.positions[:size], attn_metadata, size)
+
+    def _fill_dummy_inputs(self, size: int) -> CommonAttentionMetadata:
         """A uniform decode of `size` rows over the persistent buffers; zero block-table
         rows and PAD slots, so capture reads block 0 at most and writes nothing."""
         b = self.buffers
@@ -88,7 +98,7 @@ class CudaGraphManager:
         block_table.zero_()
         slot_mapping = self.block_tables.slot_mappings[:size]
         slot_mapping.fill_(PAD_SLOT_ID)
-        common = CommonAttentionMetadata(
+        return CommonAttentionMetadata(
             query_start_loc=b.query_start_loc[: size + 1],
             seq_lens=b.seq_lens[:size],
             block_table=block_table,
@@ -102,5 +112,3 @@ class CudaGraphManager:
             num_decode_tokens=size,
             block_size=self.executor.block_size,
         )
-        attn_metadata = self.executor.build_attn_metadata(common)
-        return self.executor.forward(b.input_ids[:size], b.positions[:size], attn_metadata, size)

@@ -25,6 +25,12 @@ from shared.scheduler import Scheduler
 
 logger = logging.getLogger("runnerlab")
 
+# While a request has fewer than min_tokens outputs, its stop ids (and EOS) are masked.
+# V2's sampler keeps them in a fixed-width per-row table of this many ids
+# (runner_v2.sample.states.DEFAULT_MAX_STOP_IDS); the engine refuses more at admission so
+# that both runners accept exactly the same requests and none fails mid-step.
+MAX_MIN_TOKENS_STOP_IDS = 128
+
 
 class EngineInputError(ValueError):
     """A request the engine refuses; the message names the setting and the fix. The
@@ -182,6 +188,17 @@ class LLMEngine:
                 f"request {request_id!r}: SamplingParams.stop_token_ids {bad_stops} are outside "
                 f"the vocabulary [0, {self.vocab_size})"
             )
+        if params.min_tokens > 0:
+            masked = set(params.stop_token_ids)
+            if self.eos_token_id is not None and not params.ignore_eos:
+                masked.add(self.eos_token_id)
+            if len(masked) > MAX_MIN_TOKENS_STOP_IDS:
+                raise EngineInputError(
+                    f"request {request_id!r}: SamplingParams.min_tokens={params.min_tokens} masks "
+                    f"{len(masked)} stop token ids (stop_token_ids and EOS); at most "
+                    f"{MAX_MIN_TOKENS_STOP_IDS} are supported with min_tokens > 0: pass fewer "
+                    "stop_token_ids or set min_tokens=0"
+                )
         return params
 
     def abort_request(self, request_ids: Iterable[str] | str) -> None:
@@ -242,6 +259,6 @@ class LLMEngine:
         if num_blocks < needed:
             raise EngineInputError(
                 f"the KV cache holds {num_blocks} blocks of {block_size} tokens, fewer than the "
-                f"{needed} one request of max_model_len={self.max_model_len} needs; raise "
+                f"{needed} blocks one request of max_model_len={self.max_model_len} needs; raise "
                 f"num_gpu_blocks_override (or gpu_memory_utilization) or lower max_model_len"
             )

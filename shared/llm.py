@@ -47,12 +47,18 @@ class LLM:
                     f"got {len(params_list)} SamplingParams for {len(prompts)} prompts; pass one "
                     "SamplingParams, or one per prompt"
                 )
-        request_ids = []
-        for prompt, params in zip(prompts, params_list):
-            request_id = str(self._counter)
-            self._counter += 1
-            self.engine.add_request(request_id, self._tokenize(prompt), params)
-            request_ids.append(request_id)
+        request_ids: list[str] = []
+        try:
+            for prompt, params in zip(prompts, params_list):
+                request_id = str(self._counter)
+                self._counter += 1
+                self.engine.add_request(request_id, self._tokenize(prompt), params)
+                request_ids.append(request_id)
+        except Exception:
+            # One bad prompt refuses the whole call: the ones already queued would
+            # otherwise run on, unseen, inside the next generate().
+            self.engine.abort_request(request_ids)
+            raise
         return self._run(request_ids, prompts, use_tqdm)
 
     def _tokenize(self, prompt: str | list[int]) -> list[int]:
