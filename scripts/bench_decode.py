@@ -48,7 +48,7 @@ def llama_batch1(bw: float, steps: int) -> dict:
     for runner in ("v1", "v2"):
         engine = make_engine("llama-3-8b", runner, False, 8, [1, 2, 4, 8], 2048, 512)
         weight_bytes = engine.runner.executor.weight_bytes(include_embedding=False)
-        samples, steady_ms, toks = run_decode(engine, 1, 1024, warmup=10, steps=steps, tag=runner)
+        samples, steady_ms, toks = run_decode(engine, 1, 1024, warmup=10, steps=steps, tag="r")
         s = samples.summary()
         floor_ms = weight_bytes / bw * 1e3
         gpu_ms = s["forward_gpu_ms"]["median"]

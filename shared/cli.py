@@ -93,11 +93,32 @@ def generate_main(argv: list[str]) -> int:
         if args.json:
             print(json.dumps({
                 "request_id": out.request_id, "runner": llm.runner_name, "text": c.text,
-                "token_ids": c.token_ids, "finish_reason": c.finish_reason,
+                "prompt_token_ids": out.prompt_token_ids, "token_ids": c.token_ids,
+                "finish_reason": c.finish_reason,
             }))
         else:
             print(c.text if llm.get_tokenizer() is not None else " ".join(map(str, c.token_ids)))
     return 0
+
+
+def chat_prompt_token_ids(tokenizer, text: str) -> list[int]:
+    """One user turn through the model's chat template, as token ids.
+
+    Tokenized by the template itself: the template already writes any BOS it wants, and
+    encoding its text again would add a second one with a tokenizer that adds BOS. The
+    return type moved across transformers releases (a list of ids; in 5.x a dict-like
+    BatchEncoding by default), so every form is accepted.
+    """
+    out = tokenizer.apply_chat_template(
+        [{"role": "user", "content": text}], tokenize=True, add_generation_prompt=True
+    )
+    if hasattr(out, "keys") and "input_ids" in out:
+        out = out["input_ids"]
+    if hasattr(out, "tolist"):
+        out = out.tolist()
+    if out and isinstance(out[0], (list, tuple)):  # a batch of one
+        out = out[0]
+    return [int(t) for t in out]
 
 
 def _collect_prompts(args: argparse.Namespace, llm) -> list:
@@ -107,9 +128,7 @@ def _collect_prompts(args: argparse.Namespace, llm) -> list:
             tok = llm.get_tokenizer()
             if tok is None:
                 raise ValueError("--chat needs a model with a tokenizer and chat template")
-            prompts.append(tok.apply_chat_template(
-                [{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True
-            ))
+            prompts.append(chat_prompt_token_ids(tok, text))
         else:
             prompts.append(text)
     for ids in args.prompt_ids or []:

@@ -262,3 +262,4 @@ class LLMEngine:
                 f"{needed} blocks one request of max_model_len={self.max_model_len} needs; raise "
                 f"num_gpu_blocks_override (or gpu_memory_utilization) or lower max_model_len"
             )
+MAX_MIN_TOKENS_STOP_IDS = 128

@@ -13,7 +13,7 @@ Pairs: every two runners compare exactly (tokens, finish reasons, logprob dicts)
 runner against `hf` or `solo` compares each reference request over the runner's tokens
 (an aborted request's prefix; `hf` only where the request is plain greedy).
 
---json prints one document: {model, model_path, dtype, device, seeds, engines,
+--json prints one document: {model, dtype, device, seeds, engines,
 scenarios: [{name, seed, summary, greedy, seeded, engines, skipped, expects, events,
 missing_events, leaked_blocks, error, agrees, pairs: [{a, b, identical,
 first_divergence: {request_id, position} | null, max_logprob_diff, logprob_tol,
@@ -104,9 +104,9 @@ def run_one(setup: DiffSetup, scenario: Scenario) -> ScenarioReport:
                             scenario.seeded, expects=list(scenario.expects))
     runs: dict[str, ScenarioRun] = {}
     try:
-        runs = _run_engines(setup, scenario, report)
+        _run_engines(setup, scenario, report, runs)
     except Exception as exc:  # an engine crash is a finding, reported with its scenario
-        report.error = f"{type(exc).__name__}: {exc}"
+        report.error = f"{report.engines[-1]}: {type(exc).__name__}: {exc}"
     runners = [r for r in RUNNERS if r in runs]
     if runners:
         first = runs[runners[0]]
@@ -116,17 +116,23 @@ def run_one(setup: DiffSetup, scenario: Scenario) -> ScenarioReport:
     return report
 
 
-def _run_engines(setup: DiffSetup, scenario: Scenario, report: ScenarioReport):
-    runs: dict[str, ScenarioRun] = {}
+def _run_engines(
+    setup: DiffSetup, scenario: Scenario, report: ScenarioReport, runs: dict[str, ScenarioRun]
+) -> None:
+    """Fills `runs` engine by engine (what ran before a crash is still compared)."""
     runners = [e for e in setup.engines if e in RUNNERS]
     for runner in runners:
         report.engines.append(runner)
-        runs[runner] = run_scenario(build_engine(setup, runner, scenario.engine_kwargs()), scenario)
+        engine = build_engine(setup, runner, scenario.engine_kwargs())
+        runs[runner] = run_scenario(engine, scenario)
+        report.leaked_blocks[runner] = engine.num_total_kv_blocks() - engine.num_free_kv_blocks()
     if "solo" in setup.engines:
         if scenario.solo and runners:
             report.engines.append("solo")
             engine = build_engine(setup, runners[0], scenario.solo_engine_kwargs())
             runs["solo"] = run_solo(engine, scenario)
+            report.leaked_blocks["solo"] = (
+                engine.num_total_kv_blocks() - engine.num_free_kv_blocks())
         else:
             report.skipped["solo"] = "the scenario declares no solo reference"
     if "hf" in setup.engines:
@@ -137,10 +143,6 @@ def _run_engines(setup: DiffSetup, scenario: Scenario, report: ScenarioReport):
         elif runners:
             report.engines.append("hf")
             runs["hf"] = run_hf(setup.hf, scenario, runs[runners[0]])
-    for name, run in runs.items():
-        if name != "hf":
-            report.leaked_blocks[name] = run.num_total_blocks - run.num_free_blocks
-    return runs
 
 
 def run_hf(hf: Any, scenario: Scenario, reference: ScenarioRun) -> ScenarioRun:
@@ -278,6 +280,13 @@ def diff_main(argv: list[str]) -> int:
         print("runnerlab diff: error: --engines needs v1 or v2 (hf and solo are references)",
               file=sys.stderr)
         return 2
+    if args.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            print("runnerlab diff: error: --device cuda, but no CUDA GPU is available here",
+                  file=sys.stderr)
+            return 2
     start = time.perf_counter()
     try:
         reports = run_diff(args.model, args.dtype, args.device, scenarios, args.seeds,

@@ -1,0 +1,54 @@
+"""Where a decode step's time goes: torch.profiler over a few eager decode steps, the
+top GPU kernels by device time and the top CPU ops by self time.
+
+  python3 scripts/profile_decode.py --model qwen3-0.6b --batch 1 [--runner v2] [--out DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+
+from shared.engine import LLMEngine
+from shared.sampling_params import SamplingParams
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--model", default="qwen3-0.6b")
+    p.add_argument("--runner", default="v2")
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--eager", action="store_true")
+    p.add_argument("--out", default=None)
+    args = p.parse_args()
+    from policy import EngineArgs
+
+    engine = LLMEngine.from_engine_args(EngineArgs(
+        model=args.model, load_format="dummy", dtype="bfloat16", device="cuda", seed=0,
+        model_runner=args.runner, enforce_eager=args.eager, max_num_seqs=max(8, args.batch),
+        max_model_len=2048, num_gpu_blocks_override=4096, enable_prefix_caching=False,
+    ))
+    params = SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)
+    for i in range(args.batch):
+        engine.add_request(str(i), [(i * 7 + j) % 1000 + 1 for j in range(128)], params)
+    for _ in range(8):
+        engine.step()
+    torch.cuda.synchronize()
+    acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=acts) as prof:
+        for _ in range(5):
+            engine.step()
+        torch.cuda.synchronize()
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=60))
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=60))
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        prof.export_chrome_trace(os.path.join(args.out, f"trace_{args.model}_{args.runner}_b{args.batch}.json"))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
