@@ -81,6 +81,11 @@ class LLMEngine:
         self._arrivals = 0
         self._seed_rng = random.Random(config.load_config.seed)
         self._detok: dict[str, int] = {}
+        # True: step() returns every request that advanced (cumulative tokens, vLLM's
+        # streaming view). False: only requests that finished — what offline batch
+        # generation needs, and O(1) per request per step instead of copying every
+        # request's whole output on every step.
+        self.stream_outputs = True
 
     @classmethod
     def from_engine_args(cls, engine_args: Any) -> LLMEngine:
@@ -226,6 +231,8 @@ class LLMEngine:
         if hasattr(runner_output, "get_output"):
             runner_output = runner_output.get_output()
         updates = self.scheduler.update_from_output(scheduler_output, runner_output)
+        if not self.stream_outputs:
+            return [self._to_request_output(u) for u in updates if u.finished]
         return [self._to_request_output(u) for u in updates]
 
     @property
@@ -262,4 +269,3 @@ class LLMEngine:
                 f"{needed} blocks one request of max_model_len={self.max_model_len} needs; raise "
                 f"num_gpu_blocks_override (or gpu_memory_utilization) or lower max_model_len"
             )
-MAX_MIN_TOKENS_STOP_IDS = 128

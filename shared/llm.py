@@ -80,12 +80,11 @@ class LLM:
 
             bar = tqdm(total=len(request_ids), desc="Generating", unit="req", leave=False)
         wanted = set(request_ids)
-        while len(finished) < len(request_ids) and self.engine.has_unfinished_requests():
-            for out in self.engine.step():
-                if out.finished and out.request_id in wanted:
-                    finished[out.request_id] = out
-                    if bar is not None:
-                        bar.update(1)
+        stream, self.engine.stream_outputs = self.engine.stream_outputs, False
+        try:
+            self._step_until_done(request_ids, wanted, finished, bar)
+        finally:
+            self.engine.stream_outputs = stream
         if bar is not None:
             bar.close()
         results = []
@@ -95,3 +94,11 @@ class LLM:
                 out.prompt = prompt
             results.append(out)
         return results
+
+    def _step_until_done(self, request_ids, wanted, finished, bar) -> None:
+        while len(finished) < len(request_ids) and self.engine.has_unfinished_requests():
+            for out in self.engine.step():
+                if out.finished and out.request_id in wanted:
+                    finished[out.request_id] = out
+                    if bar is not None:
+                        bar.update(1)

@@ -92,6 +92,9 @@ def run_decode(
     while any(len(tokens.get(r, [])) == 0 for r in ids):
         for out in engine.step():
             tokens[out.request_id] = out.outputs[0].token_ids
+    # From here on outputs come only at the end: copying every request's cumulative
+    # output list each step would add O(batch x length) work to both runners' steps.
+    engine.stream_outputs = False
     for _ in range(warmup):
         engine.step()
     samples = StepSamples()
@@ -114,5 +117,7 @@ def run_decode(
     engine.abort_request(ids)
     while engine.has_unfinished_requests():
         engine.step()
-    engine.step()  # carry the aborts to the runner
+    for out in engine.step():  # carries the aborts to the runner; reports them
+        tokens[out.request_id] = out.outputs[0].token_ids
+    engine.stream_outputs = True
     return samples, steady_ms, tokens

@@ -106,8 +106,12 @@ def throughput(engine: LLMEngine, prompts: list[list[int]], max_tokens: list[int
         params = SamplingParams(max_tokens=n, temperature=0.6, ignore_eos=True, seed=i)
         engine.add_request(f"{tag}{i}", prompt, params)
     tokens: dict[str, list[int]] = {}
+    engine.stream_outputs = False  # offline batch: outputs once, at the end
     t0 = time.perf_counter()
-    steps = _drain(engine, None, tokens)
+    try:
+        steps = _drain(engine, None, tokens)
+    finally:
+        engine.stream_outputs = True
     elapsed = time.perf_counter() - t0
     total = sum(len(t) for t in tokens.values())
     return RunResult(None, tokens, {
