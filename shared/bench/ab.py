@@ -182,10 +182,12 @@ def _jobs(s: dict) -> list:
                     e, b, s["prompt_len"], s["warmup"], s["steps"], t)))
         elif w == "prefill":
             n, length = s["prefill"]
-            jobs.append(("prefill", f"{n}x{length}", lambda e, t: wl.prefill(e, n, length, t)))
+            jobs.append(("prefill", f"{n}x{length}",
+                         lambda e, t, n=n, length=length: wl.prefill(e, n, length, t)))
         elif w == "churn":
             live, steps = s["churn"]
-            jobs.append(("churn", f"live{live}", lambda e, t: wl.churn(e, live, steps, t)))
+            jobs.append(("churn", f"live{live}",
+                         lambda e, t, live=live, steps=steps: wl.churn(e, live, steps, t)))
         elif w == "throughput":
             jobs.append(("throughput", "nano-vllm", _throughput_job))
     return jobs

@@ -52,7 +52,9 @@ def print_tables(report: dict) -> None:
             for key in ("output_tokens_per_s", "prefill_tokens_per_s"):
                 a, b = _med(e["v1"], key), _med(e["v2"], key)
                 if a is not None:
-                    spread = lambda r: f"[{e[r][key]['min']:.0f}..{e[r][key]['max']:.0f}]"
+                    def spread(r: str, e=e, key=key) -> str:
+                        return f"[{e[r][key]['min']:.0f}..{e[r][key]['max']:.0f}]"
+
                     print(f"{e['label']:>12} {key:>12} V1 {a:.0f} {spread('v1')}  V2 {b:.0f} "
                           f"{spread('v2')}  V2/V1 {_ratio(a, b)}")
 
