@@ -87,11 +87,18 @@ class V1CudaGraphs:
         self.input_batch = input_batch
         self.wrapper: CudaGraphWrapper | None = None
         self.max_model_len = config.scheduler_config.max_model_len
-        if self.enabled and self.mode == "PIECEWISE":
+        requested = cc.cudagraph_mode_requested
+        if self.enabled and requested in ("PIECEWISE", "FULL_AND_PIECEWISE"):
+            # Asked for by name, it would be (partly) ignored: refuse rather than no-op.
             raise ValueError(
-                "cudagraph_mode='PIECEWISE' is not implemented by runnerlab's V1 runner "
-                "(mixed batches would run eager, silently); use 'FULL_AND_PIECEWISE', 'FULL' "
-                "or 'NONE'"
+                f"cudagraph_mode={requested!r}: runnerlab's V1 runner does not implement "
+                "piecewise graphs yet (mixed batches would run eager); use cudagraph_mode="
+                "'FULL' (uniform-decode graphs), 'auto' or 'NONE'"
+            )
+        if self.enabled and self.mode == "FULL_AND_PIECEWISE":
+            logger.warning(
+                "V1 cudagraph_mode=FULL_AND_PIECEWISE (auto): FULL graphs cover uniform "
+                "decode; piecewise graphs are not implemented yet, so mixed batches run eager"
             )
 
     # ---- dispatch -----------------------------------------------------------------------
