@@ -48,6 +48,9 @@ class ModelExecutor:
         self.layer_names: list[str] = []
         self.kv_caches: list[torch.Tensor] = []
         self.num_blocks = 0
+        # Memory other engines of this process already hold (runnerlab ab keeps two):
+        # this engine sizes its KV cache from its own usage, not theirs.
+        self._mem_baseline = torch.cuda.memory_allocated() if device.type == "cuda" else 0
         self.backend = get_attn_backend(config.attention_backend, device)
         self.builder = self.backend.make_builder(device)
 
@@ -105,7 +108,7 @@ class ModelExecutor:
             torch.cuda.reset_peak_memory_stats()
             profile_fn()
             torch.cuda.synchronize()
-            peak = torch.cuda.max_memory_allocated()
+            peak = torch.cuda.max_memory_allocated() - self._mem_baseline
             free, total = torch.cuda.mem_get_info()
             used_by_others = total - free - torch.cuda.memory_reserved()
             budget = total * cc.gpu_memory_utilization - peak - max(used_by_others, 0)

@@ -82,6 +82,9 @@ def _engine_args(args: argparse.Namespace, runner: str, max_batch: int):
     base["model_runner"] = runner
     if getattr(args, "max_num_seqs", None) is None:
         base["max_num_seqs"] = max(max_batch, 16)
+    if getattr(args, "gpu_memory_utilization", None) is None:
+        # two engines share the device: each sizes its KV cache from its own share
+        base["gpu_memory_utilization"] = 0.42
     if getattr(args, "max_num_batched_tokens", None) is None:
         base["max_num_batched_tokens"] = max(base["max_num_seqs"], 2048 if args.quick else 8192)
     from policy import EngineArgs
