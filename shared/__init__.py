@@ -1,9 +1,14 @@
 """Everything both runners use. The public names are imported lazily so that
-`import shared.<module>` stays cheap (no model, transformers or Triton import)."""
+`import shared.<module>` stays cheap (no model or transformers import)."""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
+
+# Decide Triton's mode (the interpreter on a machine without a CUDA GPU) before anything
+# else can import triton: transformers imports it too, and a triton imported first
+# without TRITON_INTERPRET leaves every later kernel unable to run on such a machine.
+import shared.triton_utils  # noqa: E402, F401
 
 __all__ = ["LLM", "LLMEngine", "SamplingParams", "RequestOutput", "CompletionOutput"]
 

@@ -234,7 +234,7 @@ def seeded_preemption(rng: random.Random, vocab: int) -> Scenario:
 
 
 def penalties_preemption(rng: random.Random, vocab: int) -> Scenario:
-    # c masks ~100 stop ids for its first 5 outputs, then stops on the first one: the
+    # c masks ~100 stop ids (and EOS) for its first 5 outputs, then may stop on one: the
     # resumed prefill must still count its earlier tokens as outputs.
     stop_ids = sorted(rng.sample(range(3, vocab), min(100, vocab - 3)))
     actions = _adds(rng, vocab, [
@@ -254,6 +254,9 @@ def penalties_preemption(rng: random.Random, vocab: int) -> Scenario:
 
 
 def zero_token_step(rng: random.Random, vocab: int) -> Scenario:
+    # This scheduler schedules every new request it admits with >= 1 token, so a step of
+    # zero tokens happens only when nothing is left to run: the adds come with the very
+    # next step, into the rows (V1) / state slots (V2) the zero-token step just freed.
     first = _adds(rng, vocab, [("a", 5, _greedy(2)), ("b", 7, _greedy(8)), ("c", 6, _greedy(8))])
     # e is aborted while waiting: the runner hears of an id it never saw
     e = Add("e", _prompt(rng, vocab, 4), _greedy(4))

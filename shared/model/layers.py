@@ -17,6 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from shared.model import fused_ops
+
 # ---------------------------------------------------------------------------------------
 # config helpers
 
@@ -103,20 +105,40 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.empty(hidden_size), requires_grad=False)
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """norm(x) * weight; with `residual` (the decoder's fused pattern):
+        (norm(x + residual) * weight, x + residual), the sum kept in the model dtype."""
+        if fused_ops.use_fused(x) and x.dim() == 2 and x.stride(-1) == 1:
+            return fused_ops.rms_norm(x, self.weight, self.eps, residual)
+        if residual is not None:
+            x = x + residual
+            return self._norm(x), x
+        return self._norm(x)
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
         # Normalise in (at least) float32, round back to the model dtype, then scale:
         # the same order as the reference implementation, so bf16 results line up.
+        # For float32/float64 models both `.to` calls are no-ops (no copy).
         xc = x.to(compute_dtype(x.dtype))
-        xc = xc * torch.rsqrt(xc.pow(2).mean(-1, keepdim=True) + self.eps)
+        xc = xc * torch.rsqrt(xc.square().mean(-1, keepdim=True).add_(self.eps))
         return self.weight * xc.to(x.dtype)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """[..., 2I] (gate | up) -> [..., I]: silu(gate) * up; one Triton launch on CUDA."""
+    if fused_ops.use_fused(x) and x.dim() == 2 and x.stride(-1) == 1:
+        return fused_ops.silu_and_mul(x)
+    half = x.shape[-1] // 2
+    return F.silu(x[..., :half]) * x[..., half:]
 
 
 class SiluAndMul(nn.Module):
     """[T, 2I] (gate | up) -> [T, I]: silu(gate) * up."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        half = x.shape[-1] // 2
-        return F.silu(x[..., :half]) * x[..., half:]
+        return silu_and_mul(x)
 
 
 def check_silu(cfg) -> None:

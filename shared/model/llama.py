@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from shared.attention.layer import Attention
+from shared.model import fused_ops
 from shared.model.layers import (
     Linear,
     MergedLinear,
@@ -70,8 +71,25 @@ class LlamaAttention(nn.Module):
         )
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
-        num_tokens = hidden_states.shape[0]
         qkv = self.qkv_proj(hidden_states)
+        if fused_ops.use_fused(qkv):
+            # One launch: q/k norm (Qwen3) + RoPE in place in qkv; q, k, v are its slices.
+            rope = self.rotary_emb
+            q, k, v = fused_ops.qk_norm_rope(
+                qkv, positions, rope.cos_sin_cache,
+                self.num_heads, self.num_kv_heads, self.head_dim, rope.rotary_dim,
+                None if self.q_norm is None else self.q_norm.weight,
+                None if self.k_norm is None else self.k_norm.weight,
+                0.0 if self.q_norm is None else self.q_norm.eps,
+            )
+        else:
+            q, k, v = self._norm_rope_torch(positions, qkv)
+        return self.o_proj(self.attn(q, k, v))
+
+    def _norm_rope_torch(
+        self, positions: torch.Tensor, qkv: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        num_tokens = qkv.shape[0]
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         if self.q_norm is not None:
             # Qwen3: normalise each head's vector before the rotation.
@@ -79,7 +97,7 @@ class LlamaAttention(nn.Module):
             k = self.k_norm(k.reshape(num_tokens, self.num_kv_heads, self.head_dim))
             q, k = q.reshape(num_tokens, -1), k.reshape(num_tokens, -1)
         q, k = self.rotary_emb(positions, q, k)
-        return self.o_proj(self.attn(q, k, v))
+        return q, k, v
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -90,11 +108,24 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = mlp
 
-    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
-        hidden_states = hidden_states + self.self_attn(
-            positions, self.input_layernorm(hidden_states)
-        )
-        return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
+    def forward(
+        self,
+        positions: torch.Tensor,
+        hidden_states: torch.Tensor,
+        residual: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Fused-residual form: takes the previous sublayer's output and the residual
+        stream before it (None for the first layer, whose input is the stream itself);
+        returns (this layer's MLP output, the stream before it). Each norm does the pending
+        residual add, so h + attn(norm(h)) is the same sum, just computed one call later."""
+        if residual is None:
+            residual = hidden_states
+            hidden_states = self.input_layernorm(hidden_states)
+        else:
+            hidden_states, residual = self.input_layernorm(hidden_states, residual)
+        hidden_states = self.self_attn(positions, hidden_states)
+        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
+        return self.mlp(hidden_states), residual
 
 
 class LlamaModel(nn.Module):
@@ -108,9 +139,13 @@ class LlamaModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         hidden_states = self.embed_tokens(input_ids)
+        residual = None
         for layer in self.layers:
-            hidden_states = layer(positions, hidden_states)
-        return self.norm(hidden_states)
+            hidden_states, residual = layer(positions, hidden_states, residual)
+        if residual is None:  # no layers
+            return self.norm(hidden_states)
+        hidden_states, _ = self.norm(hidden_states, residual)
+        return hidden_states
 
 
 class LlamaForCausalLM(nn.Module):

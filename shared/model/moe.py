@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from shared.model.layers import Linear, check_no_sliding_window, compute_dtype
+from shared.model.layers import Linear, check_no_sliding_window, compute_dtype, silu_and_mul
 from shared.model.llama import LlamaForCausalLM, LlamaMLP
 
 
@@ -34,8 +34,8 @@ def select_experts(
 
 
 def _run_expert(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
-    gate, up = F.linear(x, w13).chunk(2, dim=-1)
-    return F.linear(F.silu(gate) * up, w2)
+    # silu(gate) * up: one fused launch on CUDA, the same arithmetic elsewhere.
+    return F.linear(silu_and_mul(F.linear(x, w13)), w2)
 
 
 def moe_sparse(

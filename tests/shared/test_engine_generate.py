@@ -43,25 +43,33 @@ MAX_NEW_TOKENS = 24
 
 
 @pytest.fixture(scope="module")
-def smollm2_hf():
+def smollm2_tokenizer():
+    from shared.model.gguf import find_smollm2_gguf, load_gguf_tokenizer
+
+    return load_gguf_tokenizer(find_smollm2_gguf())
+
+
+def _chat_reference_ids(tokenizer, text: str) -> list[int]:
+    return tokenizer.apply_chat_template(
+        [{"role": "user", "content": text}], add_generation_prompt=True,
+        tokenize=True, return_dict=False,
+    )
+
+
+@pytest.fixture(scope="module")
+def smollm2_hf(smollm2_tokenizer):
     """transformers' own GGUF loading (an independent dequantisation) and its greedy
     tokens for each chat prompt, EOS included when it stops early."""
     from transformers import AutoModelForCausalLM
 
-    from shared.model.gguf import find_smollm2_gguf, load_gguf_tokenizer
+    from shared.model.gguf import find_smollm2_gguf
 
     path = find_smollm2_gguf()
-    tokenizer = load_gguf_tokenizer(path)
+    tokenizer = smollm2_tokenizer
     model = AutoModelForCausalLM.from_pretrained(
         os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.float32
     ).eval()
-    prompts = [
-        tokenizer.apply_chat_template(
-            [{"role": "user", "content": text}], add_generation_prompt=True,
-            tokenize=True, return_dict=False,
-        )
-        for text in CHAT_PROMPTS
-    ]
+    prompts = [_chat_reference_ids(tokenizer, text) for text in CHAT_PROMPTS]
     greedy = []
     with torch.no_grad():
         for ids in prompts:
@@ -183,12 +191,13 @@ def test_cli_generate_chat_answers_paris():
     assert "Model runner:" in proc.stderr and "Model runner:" not in proc.stdout
 
 
-def test_chat_prompt_is_tokenized_once_by_the_template(smollm2_hf):
+@pytest.mark.slow
+def test_chat_prompt_is_tokenized_once_by_the_template(smollm2_tokenizer):
     from shared.cli import chat_prompt_token_ids
 
-    tok = smollm2_hf.tokenizer
+    tok = smollm2_tokenizer
     ids = chat_prompt_token_ids(tok, CHAT_PROMPTS[0])
-    assert ids == smollm2_hf.prompts[0]
+    assert ids == _chat_reference_ids(tok, CHAT_PROMPTS[0])
     assert ids[0] == tok.bos_token_id and ids[1] != tok.bos_token_id  # one BOS, not two
     assert tok.decode(ids).startswith("<|im_start|>system")
     assert tok.decode(ids).endswith("<|im_start|>assistant\n")
@@ -316,7 +325,9 @@ def test_per_prompt_params_and_logprobs_match_transformers(tiny_llama_dir, runne
             assert set(ids) == {token, *top} and len(ids) == len({token, *top})
             values = [entry[i] for i in ids]
             assert all(a >= b for a, b in zip(values[1:], values[2:]))
+            # 1e-6, not 1e-12: transformers' Llama runs RMSNorm and RoPE frequencies in
+            # float32 even for a float64 model (differences of ~3e-8 seen).
             for i in ids:
                 assert abs(entry[i] - ref_lp[t, i].item()) < 1e-6, (t, i)
             if params.temperature == 0.0:
-                assert entry[token] == pytest.approx(ref_lp[t].max().item(), abs=1e-12)
+                assert entry[token] == max(values)
