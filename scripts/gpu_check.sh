@@ -2,7 +2,7 @@
 # The GPU machine's one entry point: install what the image lacks from carried wheels,
 # run the gpu-marked tests, run the benchmarks, write everything under $OUT.
 #
-#   scripts/gpu_check.sh [tests|attention|decode|ab|throughput|all]...
+#   scripts/gpu_check.sh [tests|attention|decode|ab|hf|all]...
 #
 # Run through the device tool from the repository root, carrying `.whl`:
 #   python3 -m pip download ... -d .whl pydantic==2.14.4 pydantic-core==2.50.5 \
@@ -38,11 +38,12 @@ if want decode; then
   python3 scripts/bench_decode.py --out "$OUT/decode.json" 2>&1 | tee "$OUT/decode.log"
 fi
 if want ab; then
+  # decode ladder 1..1024 + nano-vllm throughput, both runners in one process (A-B-B-A)
   python3 -m shared.cli ab --model qwen3-0.6b --load-format dummy --dtype bfloat16 --device cuda \
-    --workloads decode --output-dir "$OUT" 2>&1 | tee "$OUT/ab.log"
+    --workloads decode,churn,throughput --output-dir "$OUT" 2>&1 | grep -v "^INFO" | tee "$OUT/ab.log"
 fi
-if want throughput; then
-  python3 -m shared.cli ab --model qwen3-0.6b --load-format dummy --dtype bfloat16 --device cuda \
-    --workloads throughput --output-dir "$OUT/tp" 2>&1 | tee "$OUT/throughput.log"
+if want hf; then
+  python3 scripts/hf_throughput.py --model qwen3-0.6b --device cuda --out "$OUT/hf_throughput.json" \
+    2>&1 | tail -20 | tee "$OUT/hf_throughput.log"
 fi
 exit $status
