@@ -212,7 +212,9 @@ class LLMEngine:
         self.scheduler.abort_requests(list(request_ids))
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        # Finished-but-unreported requests (aborts) count: the next step tells the runner
+        # and reports them.
+        return self.scheduler.has_unfinished_requests() or self.scheduler.has_finished_requests()
 
     def get_num_unfinished_requests(self) -> int:
         return self.scheduler.get_num_unfinished_requests()

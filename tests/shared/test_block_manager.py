@@ -106,6 +106,19 @@ def test_prefix_caching_disabled_never_hits():
     assert kv.get_computed_blocks(make_req(list(range(12)), "b")) == ([], 0)
 
 
+def test_chunk_caches_only_blocks_it_completes():
+    # A block is offered to the cache once its KV is fully scheduled, not when its tokens
+    # are known: a 6-token chunk of a 10-token prompt completes block 0 only.
+    kv = KVCacheManager(num_blocks=10, block_size=BS, enable_prefix_caching=True)
+    prompt = list(range(10))
+    a = make_req(prompt, "a")
+    kv.allocate_slots(a, 6)
+    a.num_computed_tokens = 6
+    assert kv.get_computed_blocks(make_req(prompt, "probe"))[1] == BS
+    kv.free(a)  # aborted mid-prefill: block 1 is half written and must stay unhashed
+    assert kv.get_computed_blocks(make_req(prompt, "probe"))[1] == BS
+
+
 def test_shared_block_survives_first_owner():
     kv = KVCacheManager(num_blocks=10, block_size=BS, enable_prefix_caching=True)
     prompt = list(range(10))

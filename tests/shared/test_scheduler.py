@@ -239,6 +239,25 @@ def test_late_output_of_aborted_request_is_ignored_by_identity():
     assert [(u.request, u.finished) for u in updates] == [(old, True), (new, False)]
 
 
+def test_late_output_ignored_even_when_resubmitted_id_runs():
+    # Async-style order: step N+1 is scheduled before step N's output is applied. The
+    # resubmitted "x" is RUNNING by then, so only object identity tells the outputs apart.
+    sched, runner = make(token_fn=script_token_fn([5]))
+    old = req("x", [1, 2, 3], max_tokens=10, ignore_eos=True)
+    sched.add_request(old)
+    so1 = sched.schedule()
+    out1 = runner.execute(so1)
+    sched.abort_requests(["x"])
+    new = req("x", [4, 5], max_tokens=3, ignore_eos=True)
+    sched.add_request(new)
+    so2 = sched.schedule()
+    assert new.status == RequestStatus.RUNNING
+    assert sched.update_from_output(so1, out1) == []
+    assert new.output_token_ids == [] and old.output_token_ids == []
+    updates = sched.update_from_output(so2, runner.execute(so2))
+    assert [(u.request, u.new_token_ids) for u in updates] == [(old, []), (new, [5])]
+
+
 def test_zero_token_step_carries_finishes():
     sched, runner = make(token_fn=script_token_fn([5]))
     r = req("r", [1, 2], max_tokens=1)
@@ -298,6 +317,7 @@ def test_logprobs_become_dicts():
     ups = {u.request.request_id: u for u in sched.update_from_output(so, out)}
     assert ups["a"].new_logprobs == [{7: -0.5, 3: -1.5}] and ups["a"].new_token_ids == [7]
     assert ups["b"].new_logprobs is None and ups["b"].new_token_ids == [8]
+    assert ups["a"].request.logprobs == [{7: -0.5, 3: -1.5}] and ups["b"].request.logprobs == []
 
 
 def test_without_chunking_a_long_prompt_waits_for_a_whole_budget():
