@@ -241,8 +241,12 @@ def test_gpu_rms_norm(hidden, dtype, torch_path):
         torch.testing.assert_close(got, ref, **GPU_TOL[dtype])
         torch.testing.assert_close(fused_ops.rms_norm(x, norm.weight, 1e-5), ref_plain,
                                    **GPU_TOL[dtype])
-        mismatch = (got != ref).float().mean().item()
-        assert mismatch < 0.01, f"{mismatch:.2%} of elements differ"
+        if dtype == torch.bfloat16:
+            # bf16 output rounding hides the reduction order (fp32 sum of squares in a
+            # different order than torch's mean), so nearly every element must be equal;
+            # in fp32 that order shows as 1-ulp differences, bounded by assert_close above.
+            mismatch = (got != ref).float().mean().item()
+            assert mismatch < 0.01, f"{mismatch:.2%} of elements differ"
 
 
 @pytest.mark.gpu
