@@ -22,8 +22,13 @@ from typing import Any
 import numpy as np
 import torch
 
-from shared.attention.metadata import PAD_SLOT_ID, CommonAttentionMetadata
-from shared.cudagraph_utils import BatchDescriptor, is_uniform_decode, padded_size
+from shared.attention.metadata import CommonAttentionMetadata
+from shared.cudagraph_utils import (
+    BatchDescriptor,
+    fill_dummy_decode,
+    is_uniform_decode,
+    padded_size,
+)
 from shared.forward_context import get_forward_context
 
 logger = logging.getLogger("runnerlab")
@@ -155,29 +160,10 @@ class V1CudaGraphs:
         )
 
     def _fill_dummy_inputs(self, size: int) -> CommonAttentionMetadata:
-        """Slots are PAD and block-table rows zero, so capture writes nothing into the KV
-        cache; called before (not inside) each capture."""
-        b = self.buffers
-        b.input_ids.gpu[:size].zero_()
-        b.positions.gpu[:size].zero_()
-        b.query_start_loc.gpu[: size + 1].copy_(
-            torch.arange(size + 1, dtype=torch.int32, device=self.device)
-        )
-        b.seq_lens.gpu[:size].fill_(1)
-        slot_mapping = self.input_batch.block_table.slot_mapping.gpu
-        slot_mapping[:size].fill_(PAD_SLOT_ID)
-        block_table = self.input_batch.block_table.block_table.gpu
-        return CommonAttentionMetadata(
-            query_start_loc=b.query_start_loc.gpu[: size + 1],
-            seq_lens=b.seq_lens.gpu[:size],
-            block_table=block_table[:size],
-            slot_mapping=slot_mapping[:size],
-            num_reqs=size,
-            num_actual_tokens=size,
-            max_query_len=1,
-            max_seq_len=self.max_model_len,
-            num_decodes=size,
-            num_prefills=0,
-            num_decode_tokens=size,
-            block_size=self.executor.block_size,
+        """Called before (not inside) each capture; see fill_dummy_decode."""
+        b, table = self.buffers, self.input_batch.block_table
+        return fill_dummy_decode(
+            size, b.input_ids.gpu, b.positions.gpu, b.query_start_loc.gpu, b.seq_lens.gpu,
+            table.block_table.gpu, table.slot_mapping.gpu, self.max_model_len,
+            self.executor.block_size,
         )

@@ -22,8 +22,9 @@ from runner_v1.prepare_inputs import InputBuffers, PreparedInputs, prepare_input
 from runner_v1.sampler import Sampler, SamplerOutput
 from runner_v1.sampling_metadata import SamplingMetadata
 from shared.model_executor import ModelExecutor
+from shared.runner_base import RunnerSetupMixin
 from shared.step import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
-from shared.step_timing import StageTimer, StepStats
+from shared.step_timing import StageTimer
 
 logger = logging.getLogger("runnerlab")
 
@@ -38,7 +39,7 @@ class _ExecuteState:
     req_ids: list[str]
 
 
-class GPUModelRunner:
+class GPUModelRunner(RunnerSetupMixin):
     runner_name = "v1"
 
     def __init__(self, config: Any, device: torch.device):
@@ -63,30 +64,9 @@ class GPUModelRunner:
         self.prepare_inputs_event = torch.cuda.Event() if device.type == "cuda" else None
         self._state: _ExecuteState | None = None
 
-    # ---- runner protocol: set-up ------------------------------------------------------
-    def load_model(self) -> None:
-        self.executor.load_model()
-
-    def determine_num_blocks(self) -> int:
-        return self.executor.determine_num_blocks(self._profile_run)
-
-    def initialize_kv_cache(self, num_blocks: int) -> None:
-        self.executor.initialize_kv_cache(num_blocks)
-
+    # ---- runner protocol: set-up (load_model, KV sizing: RunnerSetupMixin) ----------
     def capture_model(self) -> None:
         self.graphs.capture()
-
-    @property
-    def step_stats(self) -> StepStats:
-        return self.timer.stats
-
-    def _profile_run(self) -> None:
-        """The largest forward the engine will run, without touching a KV cache."""
-        n = self.max_num_tokens
-        ids = torch.zeros(n, dtype=torch.int32, device=self.device)
-        pos = torch.arange(n, dtype=torch.int64, device=self.device) % 16
-        hidden = self.executor.forward(ids, pos, None, n)
-        self.executor.compute_logits(hidden[: self.max_num_reqs])
 
     # ---- runner protocol: a step ------------------------------------------------------
     @contextlib.contextmanager

@@ -17,8 +17,13 @@ from typing import Any
 
 import torch
 
-from shared.attention.metadata import PAD_SLOT_ID, CommonAttentionMetadata
-from shared.cudagraph_utils import BatchDescriptor, is_uniform_decode, padded_size
+from shared.attention.metadata import CommonAttentionMetadata
+from shared.cudagraph_utils import (
+    BatchDescriptor,
+    fill_dummy_decode,
+    is_uniform_decode,
+    padded_size,
+)
 
 logger = logging.getLogger("runnerlab")
 
@@ -85,30 +90,10 @@ class CudaGraphManager:
         return self.executor.forward(b.input_ids[:size], b.positions[:size], attn_metadata, size)
 
     def _fill_dummy_inputs(self, size: int) -> CommonAttentionMetadata:
-        """A uniform decode of `size` rows over the persistent buffers; zero block-table
-        rows and PAD slots, so capture reads block 0 at most and writes nothing."""
+        """Called before (not inside) each capture; see fill_dummy_decode."""
         b = self.buffers
-        b.input_ids[:size].zero_()
-        b.positions[:size].zero_()
-        b.query_start_loc[: size + 1].copy_(
-            torch.arange(size + 1, dtype=torch.int32, device=b.device)
-        )
-        b.seq_lens[:size].fill_(1)
-        block_table = self.block_tables.input_block_tables[:size]
-        block_table.zero_()
-        slot_mapping = self.block_tables.slot_mappings[:size]
-        slot_mapping.fill_(PAD_SLOT_ID)
-        return CommonAttentionMetadata(
-            query_start_loc=b.query_start_loc[: size + 1],
-            seq_lens=b.seq_lens[:size],
-            block_table=block_table,
-            slot_mapping=slot_mapping,
-            num_reqs=size,
-            num_actual_tokens=size,
-            max_query_len=1,
-            max_seq_len=self.max_model_len,
-            num_decodes=size,
-            num_prefills=0,
-            num_decode_tokens=size,
-            block_size=self.executor.block_size,
+        return fill_dummy_decode(
+            size, b.input_ids, b.positions, b.query_start_loc, b.seq_lens,
+            self.block_tables.input_block_tables, self.block_tables.slot_mappings,
+            self.max_model_len, self.executor.block_size,
         )

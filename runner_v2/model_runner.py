@@ -26,8 +26,9 @@ from runner_v2.sample.states import SamplingStates
 from runner_v2.states import RequestState
 from shared.attention.metadata import CommonAttentionMetadata
 from shared.model_executor import ModelExecutor
+from shared.runner_base import RunnerSetupMixin
 from shared.step import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
-from shared.step_timing import StageTimer, StepStats
+from shared.step_timing import StageTimer
 
 logger = logging.getLogger("runnerlab")
 
@@ -38,7 +39,7 @@ class _ExecuteState:
     hidden_states: torch.Tensor
 
 
-class GPUModelRunner:
+class GPUModelRunner(RunnerSetupMixin):
     runner_name = "v2"
 
     def __init__(self, config: Any, device: torch.device):
@@ -63,29 +64,9 @@ class GPUModelRunner:
         self.max_num_reqs = R
         self._state: _ExecuteState | None = None
 
-    # ---- runner protocol: set-up ------------------------------------------------------
-    def load_model(self) -> None:
-        self.executor.load_model()
-
-    def determine_num_blocks(self) -> int:
-        return self.executor.determine_num_blocks(self._profile_run)
-
-    def initialize_kv_cache(self, num_blocks: int) -> None:
-        self.executor.initialize_kv_cache(num_blocks)
-
+    # ---- runner protocol: set-up (load_model, KV sizing: RunnerSetupMixin) ----------
     def capture_model(self) -> None:
         self.cudagraph_manager.capture()
-
-    @property
-    def step_stats(self) -> StepStats:
-        return self.timer.stats
-
-    def _profile_run(self) -> None:
-        n = self.max_num_tokens
-        ids = torch.zeros(n, dtype=torch.int32, device=self.device)
-        pos = torch.arange(n, dtype=torch.int64, device=self.device) % 16
-        hidden = self.executor.forward(ids, pos, None, n)
-        self.executor.compute_logits(hidden[: self.max_num_reqs])
 
     # ---- runner protocol: a step ------------------------------------------------------
     def execute_model(self, scheduler_output: SchedulerOutput) -> None:

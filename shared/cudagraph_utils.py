@@ -9,6 +9,10 @@ from __future__ import annotations
 import bisect
 from dataclasses import dataclass
 
+import torch
+
+from shared.attention.metadata import PAD_SLOT_ID, CommonAttentionMetadata
+
 
 def padded_size(num: int, capture_sizes: list[int]) -> int | None:
     """The smallest capture size >= num (capture_sizes sorted ascending), or None when num
@@ -29,3 +33,45 @@ class BatchDescriptor:
     mode: str  # "FULL" | "PIECEWISE" | "NONE"
     num_tokens: int  # padded token count (== padded request count for FULL decode)
     num_reqs: int | None  # padded request count for FULL; None for PIECEWISE / NONE
+
+
+def fill_dummy_decode(
+    size: int,
+    input_ids: torch.Tensor,  # [>= size] persistent buffers, written in place
+    positions: torch.Tensor,
+    query_start_loc: torch.Tensor,  # [>= size + 1]
+    seq_lens: torch.Tensor,
+    block_table: torch.Tensor,  # [>= size, max_blocks]
+    slot_mapping: torch.Tensor,
+    max_model_len: int,
+    block_size: int,
+) -> CommonAttentionMetadata:
+    """Write a uniform decode of `size` rows into a runner's persistent buffers and return
+    its metadata, for graph warm-up and capture. Zero block-table rows and PAD slots: the
+    capture reads block 0 at most and writes nothing into the KV cache.
+
+    Call it OUTSIDE the captured region: captured, these writes would replay every step
+    and reset the step's real inputs to this dummy batch. max_seq_len is max_model_len so
+    that nothing the backend derives from it at capture is too small at replay."""
+    input_ids[:size].zero_()
+    positions[:size].zero_()
+    query_start_loc[: size + 1].copy_(
+        torch.arange(size + 1, dtype=query_start_loc.dtype, device=query_start_loc.device)
+    )
+    seq_lens[:size].fill_(1)
+    block_table[:size].zero_()
+    slot_mapping[:size].fill_(PAD_SLOT_ID)
+    return CommonAttentionMetadata(
+        query_start_loc=query_start_loc[: size + 1],
+        seq_lens=seq_lens[:size],
+        block_table=block_table[:size],
+        slot_mapping=slot_mapping[:size],
+        num_reqs=size,
+        num_actual_tokens=size,
+        max_query_len=1,
+        max_seq_len=max_model_len,
+        num_decodes=size,
+        num_prefills=0,
+        num_decode_tokens=size,
+        block_size=block_size,
+    )

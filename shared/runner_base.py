@@ -1,0 +1,43 @@
+"""The set-up half of the runner protocol, identical in both runners.
+
+Both runners own a ModelExecutor (model, attention backend, KV cache) and a StageTimer;
+load_model / determine_num_blocks / initialize_kv_cache / step_stats only delegate to
+them. The step half (execute_model, sample_tokens, capture_model) is each runner's own.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from shared.model_executor import ModelExecutor
+from shared.step_timing import StageTimer, StepStats
+
+
+class RunnerSetupMixin:
+    executor: ModelExecutor
+    timer: StageTimer
+    device: torch.device
+    max_num_tokens: int
+    max_num_reqs: int
+
+    def load_model(self) -> None:
+        self.executor.load_model()
+
+    def determine_num_blocks(self) -> int:
+        return self.executor.determine_num_blocks(self._profile_run)
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        self.executor.initialize_kv_cache(num_blocks)
+
+    @property
+    def step_stats(self) -> StepStats:
+        return self.timer.stats
+
+    def _profile_run(self) -> None:
+        """The largest forward the engine will run (token budget, then the logits of a
+        full batch), without attention metadata, so no KV cache is touched."""
+        n = self.max_num_tokens
+        ids = torch.zeros(n, dtype=torch.int32, device=self.device)
+        pos = torch.arange(n, dtype=torch.int64, device=self.device) % 16
+        hidden = self.executor.forward(ids, pos, None, n)
+        self.executor.compute_logits(hidden[: self.max_num_reqs])
