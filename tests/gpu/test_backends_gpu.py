@@ -52,5 +52,8 @@ def test_triton_equals_torch_greedy_bf16() -> None:
         gaps.append((req_id, pos, top[0] - top[1]))
     print(f"TRITON vs TORCH bf16: {8 - len(gaps)}/8 requests identical; divergences "
           f"(request, position, top-2 logprob gap): {gaps}")
-    # A flip between near-tied logits is bf16 rounding; anything wider is a bug.
-    assert all(gap < 0.05 for _, _, gap in gaps), gaps
+    # Dummy weights give a nearly flat distribution over 151,936 tokens, so the top two
+    # logits are often within a few bf16 ulps (measured on the H200: gaps 0 to 0.125,
+    # bf16 logits there step by 1/32 to 1/16). A flip between such near-ties is rounding;
+    # an attention bug moves logprobs by whole units and splits at large gaps.
+    assert all(gap <= 0.25 for _, _, gap in gaps), gaps
