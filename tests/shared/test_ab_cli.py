@@ -29,3 +29,13 @@ def test_ab_quick_writes_json_and_png(tmp_path, capsys) -> None:
     png = (tmp_path / "ab.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n"
     assert "V2/V1" in out and "tokens identical across runners: True" in out
+
+
+def test_ab_profile_writes_a_trace_per_runner(tmp_path) -> None:
+    rc = ab_main(["--quick", "--output-dir", str(tmp_path), "--workloads", "churn", "--profile"])
+    assert rc == 0
+    traces = sorted(p.name for p in tmp_path.glob("trace_*.json"))
+    assert traces == ["trace_v1_live4.json", "trace_v2_live4.json"]
+    trace = json.loads((tmp_path / traces[1]).read_text())
+    names = {e.get("name", "") for e in trace["traceEvents"]}
+    assert any("model_runner" in n or "runner_v2" in n or "aten::" in n for n in names)
