@@ -25,6 +25,7 @@ import torch
 # machine without a GPU the interpreter must be chosen before triton's own @jit helpers
 # are decorated, or every V2 kernel launched later in this process fails.
 import shared.triton_utils  # noqa: F401
+from shared.model.loader import default_dtype
 from shared.sampling_params import SamplingParams
 
 logger = logging.getLogger("runnerlab")
@@ -83,7 +84,7 @@ def materialize_checkpoint(preset: str, seed: int, directory: str) -> str:
 
     hf_logging.disable_progress_bar()
     config = AutoConfig.from_pretrained(str(preset_config_path(preset).parent))
-    with _default_dtype(torch.float32):
+    with default_dtype(torch.float32):
         model = AutoModelForCausalLM.from_config(config)
     gen = torch.Generator().manual_seed(seed)
     # named_parameters() visits tied weights once: the saved file holds one tensor.
@@ -96,16 +97,6 @@ def materialize_checkpoint(preset: str, seed: int, directory: str) -> str:
     os.makedirs(directory, exist_ok=True)
     model.save_pretrained(directory)
     return directory
-
-
-@contextlib.contextmanager
-def _default_dtype(dtype: torch.dtype):
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        yield
-    finally:
-        torch.set_default_dtype(previous)
 
 
 class HFGreedy:

@@ -28,7 +28,7 @@ _PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 
 
 @contextlib.contextmanager
-def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+def default_dtype(dtype: torch.dtype) -> Iterator[None]:
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
@@ -153,7 +153,7 @@ def load_model(
             )
     model_cls = get_model_class(resolve_architecture(hf_config))
     device = torch.device(device)
-    with _default_dtype(dtype), device:
+    with default_dtype(dtype), device:
         model = model_cls(hf_config)
     if weights is None:
         initialize_dummy_weights(model, seed)
