@@ -82,9 +82,13 @@ class ModelExecutor:
         )
 
     def weight_bytes(self, include_embedding: bool = False) -> int:
+        """Bytes of weights a decode step reads: everything but the input embedding (a
+        step gathers a few rows of it), unless the embedding is tied to the LM head, which
+        reads all of it."""
+        tied = bool(getattr(self.model, "tie_word_embeddings", False))
         total = 0
         for name, p in self.model.named_parameters():
-            if not include_embedding and "embed_tokens" in name:
+            if not include_embedding and not tied and "embed_tokens" in name:
                 continue
             total += p.numel() * p.element_size()
         return total
