@@ -109,6 +109,16 @@ class KVCacheManager:
         appended to request.block_ids this step (hits included), or None, changing
         nothing, when the pool cannot supply them.
         """
+        if not computed_blocks:
+            # The steady decode case, once per running request per step: the new tokens
+            # fit in the blocks the request holds and fill no block, so there is nothing
+            # to allocate and nothing to register in the prefix cache.
+            num_after = request.num_computed_tokens + num_new_tokens
+            if num_after <= len(request.block_ids) * self.block_size and (
+                not self.enable_prefix_caching
+                or num_after // self.block_size <= self._num_cached_blocks.get(request, 0)
+            ):
+                return []
         computed_blocks = computed_blocks or []
         assert not computed_blocks or not request.block_ids
         num_computed = request.num_computed_tokens + len(computed_blocks) * self.block_size
