@@ -80,7 +80,6 @@ class LLMEngine:
         self._tokenizer_loaded = False
         self._arrivals = 0
         self._seed_rng = random.Random(config.load_config.seed)
-        self._detok: dict[str, int] = {}
         # True: step() returns every request that advanced (cumulative tokens, vLLM's
         # streaming view). False: only requests that finished — what offline batch
         # generation needs, and O(1) per request per step instead of copying every
@@ -132,7 +131,6 @@ class LLMEngine:
         request = Request(request_id, prompt_token_ids, params, self.eos_token_id, self._arrivals)
         self._arrivals += 1
         self.scheduler.add_request(request)
-        self._detok[request_id] = 0
 
     def _validate_prompt(self, request_id: str, prompt: Any) -> list[int]:
         if isinstance(prompt, str):
