@@ -59,6 +59,9 @@ class SchedulerConfig(BaseModel):
     max_num_batched_tokens: int
     max_model_len: int
     enable_chunked_prefill: bool
+    # Overlap: the scheduler plans step N+1 before step N's tokens reach the host
+    # (placeholders for the tokens in flight); the runner reads them on the device.
+    async_scheduling: bool = False
 
 
 class CompilationConfig(BaseModel):
@@ -171,7 +174,8 @@ DEFAULT_MAX_NUM_BATCHED_TOKENS = {"cpu": 2048, "cuda": 8192}
 
 def resolve_scheduler(device: str, max_model_len: int, max_num_seqs: int | None,
                       max_num_batched_tokens: int | None,
-                      enable_chunked_prefill: bool) -> SchedulerConfig:
+                      enable_chunked_prefill: bool,
+                      async_scheduling: bool = False) -> SchedulerConfig:
     """Defaults: max_num_seqs 256 on CUDA / 32 on CPU; max_num_batched_tokens 8192 on CUDA /
     2048 on CPU, raised to max_num_seqs (every running sequence can decode in one step) and,
     without chunked prefill, to max_model_len (a whole prompt must fit one step)."""
@@ -194,7 +198,8 @@ def resolve_scheduler(device: str, max_model_len: int, max_num_seqs: int | None,
                     "enable_chunked_prefill=False", "a long prompt could never be scheduled")
     return SchedulerConfig(max_num_seqs=seqs, max_num_batched_tokens=tokens,
                            max_model_len=max_model_len,
-                           enable_chunked_prefill=enable_chunked_prefill)
+                           enable_chunked_prefill=enable_chunked_prefill,
+                           async_scheduling=async_scheduling)
 
 
 def resolve_parallel(tensor_parallel_size: int, pipeline_parallel_size: int) -> ParallelConfig:

@@ -62,6 +62,8 @@ class EngineArgs(BaseModel):
     gpu_memory_utilization: float = Field(0.9, description="fraction of GPU memory to use")
     enable_prefix_caching: bool = Field(True, description="reuse cached KV blocks of shared prefixes")
     enable_chunked_prefill: bool = Field(True, description="split long prefills across steps")
+    async_scheduling: bool = Field(
+        False, description="schedule step N+1 while step N runs on the GPU (V2 only)")
     enforce_eager: bool = Field(False, description="never use CUDA graphs")
     cudagraph_mode: Literal["auto", "NONE", "PIECEWISE", "FULL", "FULL_AND_PIECEWISE"] = Field(
         "auto", description="auto: V1 FULL_AND_PIECEWISE, V2 FULL, NONE on CPU or when eager")
@@ -110,7 +112,8 @@ class EngineArgs(BaseModel):
         cache = resolve_cache(self.block_size, self.num_gpu_blocks_override,
                               self.gpu_memory_utilization, self.enable_prefix_caching)
         scheduler = resolve_scheduler(device, model.max_model_len, self.max_num_seqs,
-                                      self.max_num_batched_tokens, self.enable_chunked_prefill)
+                                      self.max_num_batched_tokens, self.enable_chunked_prefill,
+                                      self.async_scheduling)
         parallel = resolve_parallel(self.tensor_parallel_size, self.pipeline_parallel_size)
         decision = decide_runner(
             model, feature_table.requested_features(self), model_runner=self.model_runner,

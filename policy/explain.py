@@ -50,6 +50,7 @@ def explain_report(config: EngineConfig, blockers: list[str]) -> dict[str, Any]:
         "max_num_seqs": sched.max_num_seqs,
         "max_num_batched_tokens": sched.max_num_batched_tokens,
         "enable_chunked_prefill": sched.enable_chunked_prefill,
+        "async_scheduling": sched.async_scheduling,
         "block_size": config.cache_config.block_size,
         "enable_prefix_caching": config.cache_config.enable_prefix_caching,
         "cudagraph_mode": comp.cudagraph_mode,

@@ -80,6 +80,12 @@ FEATURES: tuple[Feature, ...] = (
         "V1's default; V2 has no piecewise graphs",
     ),
     Feature(
+        "async scheduling", UNSUPPORTED, SUPPORTED, "async_scheduling=False",
+        lambda s: bool(s["async_scheduling"]),
+        "vLLM: both runners (V1 scatters the previous step's GPU tokens into input_ids); "
+        "here V2 only: V1 builds input ids and penalties from host token tables",
+    ),
+    Feature(
         "tensor parallelism > 1", UNSUPPORTED, UNSUPPORTED, "tensor_parallel_size=1",
         lambda s: s["tensor_parallel_size"] > 1,
         "both runners",
@@ -102,8 +108,10 @@ def _settings(obj: Any) -> dict[str, Any]:
         mode = obj.compilation_config.cudagraph_mode_requested
         tp = obj.parallel_config.tensor_parallel_size
         pp = obj.parallel_config.pipeline_parallel_size
+        async_scheduling = obj.scheduler_config.async_scheduling
     else:
         mode, tp, pp = obj.cudagraph_mode, obj.tensor_parallel_size, obj.pipeline_parallel_size
+        async_scheduling = obj.async_scheduling
     return {
         "speculative_config": obj.speculative_config,
         "logits_processors": obj.logits_processors,
@@ -112,6 +120,7 @@ def _settings(obj: Any) -> dict[str, Any]:
         "cudagraph_mode": mode,
         "tensor_parallel_size": tp,
         "pipeline_parallel_size": pp,
+        "async_scheduling": async_scheduling,
     }
 
 

@@ -41,6 +41,10 @@ class _ExecuteState:
 
 class GPUModelRunner(RunnerSetupMixin):
     runner_name = "v2"
+    # Decode input ids come from last_sampled_tokens on the device and every per-row
+    # counter advances on the device, so the next step can be planned and prepared before
+    # this step's tokens reach the host (the engine's async_scheduling).
+    supports_async_scheduling = True
 
     def __init__(self, config: Any, device: torch.device):
         self.config = config

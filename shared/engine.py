@@ -22,6 +22,7 @@ from shared.outputs import CompletionOutput, RequestOutput
 from shared.request import Request
 from shared.sampling_params import SamplingParams, SamplingParamsError
 from shared.scheduler import Scheduler
+from shared.step import SchedulerOutput
 
 logger = logging.getLogger("runnerlab")
 
@@ -75,7 +76,16 @@ class LLMEngine:
             block_size=cc.block_size,
             enable_prefix_caching=cc.enable_prefix_caching,
             enable_chunked_prefill=sc.enable_chunked_prefill,
+            async_scheduling=sc.async_scheduling,
         )
+        self.async_scheduling = sc.async_scheduling
+        if self.async_scheduling and not getattr(self.runner, "supports_async_scheduling", False):
+            raise ValueError(  # the policy's feature gate refuses this first
+                f"async_scheduling=True is not supported by the {self.runner_name} runner; "
+                "use model_runner='v2' or async_scheduling=False"
+            )
+        # Async scheduling: the step launched last, whose output is still in flight.
+        self._pending: tuple[SchedulerOutput, Any] | None = None
         self._tokenizer: Any = None
         self._tokenizer_loaded = False
         self._arrivals = 0
@@ -212,7 +222,11 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         # Finished-but-unreported requests (aborts) count: the next step tells the runner
         # and reports them.
-        return self.scheduler.has_unfinished_requests() or self.scheduler.has_finished_requests()
+        return (
+            self.scheduler.has_unfinished_requests()
+            or self.scheduler.has_finished_requests()
+            or self._pending is not None
+        )
 
     def get_num_unfinished_requests(self) -> int:
         return self.scheduler.get_num_unfinished_requests()
@@ -228,6 +242,20 @@ class LLMEngine:
         scheduler_output = self.scheduler.schedule()
         self.runner.execute_model(scheduler_output)
         runner_output = self.runner.sample_tokens(None)
+        if not self.async_scheduling:
+            return self._finish_step(scheduler_output, runner_output)
+        # Async: step N+1 is on the GPU before step N's tokens are read back; reading
+        # them (and the scheduler's bookkeeping) overlaps step N+1's forward.
+        pending, self._pending = self._pending, None
+        outputs = [] if pending is None else self._finish_step(*pending)
+        if scheduler_output.total_num_scheduled_tokens == 0:
+            # nothing runs: settle it now rather than keep an empty step in flight
+            outputs += self._finish_step(scheduler_output, runner_output)
+        else:
+            self._pending = (scheduler_output, runner_output)
+        return outputs
+
+    def _finish_step(self, scheduler_output: SchedulerOutput, runner_output: Any) -> list[RequestOutput]:
         if hasattr(runner_output, "get_output"):
             runner_output = runner_output.get_output()
         updates = self.scheduler.update_from_output(scheduler_output, runner_output)

@@ -56,6 +56,11 @@ class Request:
         # Tokens whose KV is (or is being, this step) written to the cache. Advanced by
         # the scheduler when it schedules them (vLLM's convention), reset on preemption.
         self.num_computed_tokens = 0
+        # Tokens scheduled to be sampled whose values have not reached the host yet:
+        # nonzero only between schedule() and update_from_output(), so under async
+        # scheduling (where the next schedule() comes first) the scheduler counts them
+        # as tokens to compute. The runner reads their values on the device.
+        self.num_output_placeholders = 0
         self.block_ids: list[int] = []  # owned by the KV cache manager
         # Chained hashes of this request's FULL blocks, filled lazily by the KV cache
         # manager. Tokens are append-only, so a hash, once computed, stays valid.

@@ -5,6 +5,16 @@ One step is `schedule()` -> runner -> `update_from_output()`. Call update_from_o
 EVERY SchedulerOutput, a zero-token one included (with EMPTY_MODEL_RUNNER_OUTPUT): that is
 where aborted requests are reported.
 
+Async scheduling (async_scheduling=True): the engine calls schedule() for step N+1
+before update_from_output() of step N. A request whose step-N chunk samples carries a
+placeholder for that token until its output lands; the next step schedules the
+placeholder's position (the runner takes its value from the device). A request that will
+certainly stop once its placeholders land (max_tokens, max_model_len) is not scheduled;
+one that stops on EOS or a stop id is discovered a step late, and the step it was
+scheduled in is ignored for it (its late output finds it finished). A request preempted
+while its output is in flight still takes that output: the token was sampled from a
+complete, correct state, and the resume (never in the step that preempted) comes after it.
+
 Finish reporting:
 - a request that stops or hits a length limit is reported (RequestUpdate, finished=True)
   by the update_from_output that appended its last token; its id goes to the NEXT
@@ -43,6 +53,8 @@ class _InFlightStep:
     scheduler_output: SchedulerOutput
     scheduled: dict[str, Request]
     aborted: list[Request] = field(default_factory=list)
+    # Requests this step samples for: each holds a placeholder until the update.
+    sampling: list[Request] = field(default_factory=list)
 
 
 class Scheduler:
@@ -56,6 +68,7 @@ class Scheduler:
         block_size: int,
         enable_prefix_caching: bool,
         enable_chunked_prefill: bool = True,
+        async_scheduling: bool = False,
     ) -> None:
         if min(max_num_seqs, max_num_batched_tokens, max_model_len) < 1:
             raise ValueError("max_num_seqs, max_num_batched_tokens and max_model_len must be >= 1")
@@ -69,6 +82,7 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
         self.enable_chunked_prefill = enable_chunked_prefill
+        self.async_scheduling = async_scheduling
         self.kv_cache_manager = KVCacheManager(num_blocks, block_size, enable_prefix_caching)
 
         self.requests: dict[str, Request] = {}  # live (waiting or running) requests by id
@@ -147,14 +161,17 @@ class Scheduler:
             self._schedule_waiting(step)
         out = step.build(self.finished_req_ids)
         self.finished_req_ids = set()
-        self._in_flight[id(out)] = _InFlightStep(out, step.scheduled, self._aborted_unreported)
+        self._in_flight[id(out)] = _InFlightStep(
+            out, step.scheduled, self._aborted_unreported, step.sampling
+        )
         self._aborted_unreported = []
         return out
 
     def _num_new_tokens(self, request: Request, num_computed: int, token_budget: int) -> int:
         # Everything not yet computed: the rest of a (chunked) prefill, or the one token
-        # sampled last step. Never a position at or past max_model_len.
-        num_new = request.num_tokens - num_computed
+        # sampled last step (or, under async scheduling, still in flight: a placeholder).
+        # Never a position at or past max_model_len.
+        num_new = request.num_tokens + request.num_output_placeholders - num_computed
         num_new = min(num_new, self.max_model_len - num_computed)
         if self.enable_chunked_prefill:
             num_new = min(num_new, token_budget)
@@ -164,6 +181,9 @@ class Scheduler:
         i = 0
         while i < len(self.running) and step.token_budget > 0:
             request = self.running[i]
+            if request.num_output_placeholders and _stops_when_landed(request, self.max_model_len):
+                i += 1  # its in-flight token is its last: nothing more to compute
+                continue
             num_new = self._num_new_tokens(request, request.num_computed_tokens, step.token_budget)
             if num_new <= 0 or num_new > step.token_budget:
                 i += 1
@@ -205,6 +225,8 @@ class Scheduler:
         kv = self.kv_cache_manager
         while self.waiting and step.token_budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
+            if request.num_output_placeholders:
+                break  # preempted with a token in flight: resume once it has landed
             # The hit is not in request.num_computed_tokens until the allocation succeeds.
             computed_blocks, num_hit_tokens = kv.get_computed_blocks(request)
             num_new = self._num_new_tokens(request, num_hit_tokens, step.token_budget)
@@ -233,10 +255,13 @@ class Scheduler:
         if record is None or record.scheduler_output is not scheduler_output:
             raise ValueError("update_from_output got a SchedulerOutput this scheduler did not issue")
         updates = [RequestUpdate(r, [], None, True) for r in record.aborted]
+        for request in record.sampling:
+            request.num_output_placeholders -= 1
         for req_id, request in record.scheduled.items():
             # Identity, not id: the id may belong to a resubmitted request by now. A
-            # request aborted (or preempted) since schedule() ignores its late output.
-            if request.status != RequestStatus.RUNNING:
+            # request finished or aborted since schedule() ignores its late output; one
+            # preempted since (async scheduling only) keeps it, see the module doc.
+            if request.status not in (RequestStatus.RUNNING, RequestStatus.PREEMPTED):
                 continue
             index = runner_output.req_id_to_index.get(req_id)
             if index is None:
@@ -258,7 +283,10 @@ class Scheduler:
             new_token_ids.append(token_id)
             status = check_stop(request, self.max_model_len)
             if status is not None:
-                self.running.remove(request)
+                if request.status == RequestStatus.PREEMPTED:
+                    self.waiting.remove(request)
+                else:
+                    self.running.remove(request)
                 self._finish(request, status)
                 break
         logprobs = runner_output.logprobs[index] if runner_output.logprobs else None
@@ -290,6 +318,15 @@ def check_stop(request: Request, max_model_len: int) -> RequestStatus | None:
     return None
 
 
+def _stops_when_landed(request: Request, max_model_len: int) -> bool:
+    """Whether the request reaches a length limit once its in-flight tokens land."""
+    pending = request.num_output_placeholders
+    return (
+        request.num_output_tokens + pending >= request.sampling_params.max_tokens
+        or request.num_tokens + pending >= max_model_len
+    )
+
+
 def _logprobs_dict(logprobs: TokenLogprobs) -> dict[int, float]:
     return dict(zip(logprobs.token_ids, logprobs.logprobs))
 
@@ -304,12 +341,17 @@ class _StepBuilder:
         self.num_scheduled_tokens: dict[str, int] = {}
         self.scheduled: dict[str, Request] = {}
         self.preempted_req_ids: set[str] = set()
+        self.sampling: list[Request] = []
 
     def _take(self, request: Request, num_new: int) -> None:
         self.num_scheduled_tokens[request.request_id] = num_new
         self.scheduled[request.request_id] = request
         self.token_budget -= num_new
         request.num_computed_tokens += num_new  # vLLM's convention: advanced at schedule
+        # A chunk that reaches the last known (or in-flight) token samples the next one.
+        if request.num_computed_tokens >= request.num_tokens + request.num_output_placeholders:
+            request.num_output_placeholders += 1
+            self.sampling.append(request)
 
     def add_cached(self, request: Request, num_new: int, new_block_ids: list[int]) -> None:
         self.cached_reqs.req_ids.append(request.request_id)

@@ -80,6 +80,10 @@ def _engine_args(args: argparse.Namespace, runner: str, max_batch: int):
 
     base = engine_args_from_namespace(args).model_dump()
     base["model_runner"] = runner
+    if runner == "v1" and base.get("async_scheduling"):
+        # V1 has no async scheduling (policy.features): with --async-scheduling the A/B
+        # compares V1's synchronous engine with V2's overlapped one, and says so.
+        base["async_scheduling"] = False
     if getattr(args, "max_num_seqs", None) is None:
         base["max_num_seqs"] = max(max_batch, 16)
     if getattr(args, "enable_prefix_caching", None) is None:
@@ -142,6 +146,7 @@ def run_ab(engines: dict[str, LLMEngine], settings: dict, args, device: torch.de
         "read_bandwidth_GBps": bandwidth / 1e9 if bandwidth == bandwidth else None,
         "startup_s": {r: e.startup_s for r, e in engines.items()},
         "graph_capture_s": {r: e.capture_s for r, e in engines.items()},
+        "async_scheduling": {r: e.async_scheduling for r, e in engines.items()},
         "workloads": {},
     }
     identical = True

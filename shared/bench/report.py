@@ -26,6 +26,9 @@ def print_tables(report: dict) -> None:
         print(f"measured read bandwidth {bw:.0f} GB/s; non-embedding weights "
               f"{report['weight_bytes'] / 1e9:.3f} GB")
     print(f"tokens identical across runners: {report['tokens_identical']}")
+    modes = report.get("async_scheduling", {})
+    print("engine loop: " + ", ".join(
+        f"{r.upper()} {'async scheduling' if on else 'synchronous'}" for r, on in modes.items()))
     for name, entries in report["workloads"].items():
         print(f"\n== {name} ==  (ms per step: median / p90; ratio = V2/V1 of medians)")
         header = f"{'run':>12} {'stage':>12} {'V1':>17} {'V2':>17} {'V2/V1':>6}"

@@ -18,6 +18,7 @@ SETTINGS = {
     "prompt embeds": {"enable_prompt_embeds": True},
     "cudagraph_mode='PIECEWISE'": {"cudagraph_mode": "PIECEWISE"},
     "cudagraph_mode='FULL_AND_PIECEWISE'": {"cudagraph_mode": "FULL_AND_PIECEWISE"},
+    "async scheduling": {"async_scheduling": True},
     "tensor parallelism > 1": {"tensor_parallel_size": 2},
     "pipeline parallelism > 1": {"pipeline_parallel_size": 2},
 }
@@ -66,6 +67,11 @@ def test_auto_falls_back_or_refuses(fake_cuda, label):
         expect_v2 = not unsupported_for("v2", wanted)
         assert cfg.use_v2_model_runner is expect_v2
         assert cfg.v2_unsupported_features() == unsupported_for("v2", wanted)
+    elif not unsupported_for("v2", wanted):
+        # a feature only V2 has forces V2 (decision source "forced")
+        cfg = args.create_engine_config()
+        assert cfg.use_v2_model_runner and cfg.runner_decision.source == "forced"
+        assert label in " ".join(cfg.runner_decision.reasons)
     else:
         with pytest.raises(RunnerSelectionError, match="No model runner supports"):
             args.create_engine_config()
