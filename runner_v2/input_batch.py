@@ -17,7 +17,7 @@ Padding rules (CUDA graphs replay over padded sizes; see CommonAttentionMetadata
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -73,27 +73,22 @@ class InputBatch:
     is_uniform_decode: bool  # every row has query length 1
 
 
-def sort_batch_req_ids(
-    req_ids: Sequence[str], num_scheduled_tokens: Mapping[str, int]
-) -> list[str]:
-    """Uniform decodes (query length 1) first, then ascending query length; stable, so
-    ties keep the scheduler's order. Attention backends split decodes from prefills
-    by assuming decode-like rows lead."""
-    return sorted(req_ids, key=lambda r: (num_scheduled_tokens[r] != 1, num_scheduled_tokens[r]))
-
-
 def gather_batch_req_state(
     num_scheduled_tokens: Mapping[str, int], state: RequestState
 ) -> tuple[list[str], np.ndarray, np.ndarray]:
     """Batch order, idx_mapping (int32, batch position -> state row) and the query
-    lengths in that order, from the scheduler's {req_id: num_tokens}."""
-    req_ids = sort_batch_req_ids(list(num_scheduled_tokens), num_scheduled_tokens)
-    idx_mapping_np = np.fromiter(
-        (state.req_id_to_index[r] for r in req_ids), dtype=np.int32, count=len(req_ids)
-    )
-    nst = np.fromiter(
-        (num_scheduled_tokens[r] for r in req_ids), dtype=np.int32, count=len(req_ids)
-    )
+    lengths in that order, from the scheduler's {req_id: num_tokens}. The order: uniform
+    decodes (query length 1) first, then ascending query length; stable, so ties keep
+    the scheduler's order. Attention backends split decodes from prefills by assuming
+    decode-like rows lead."""
+    req_ids = list(num_scheduled_tokens)
+    nst = np.fromiter(num_scheduled_tokens.values(), dtype=np.int32, count=len(req_ids))
+    if not (nst == 1).all():  # an all-decode step is already in order (the common case)
+        order = np.lexsort((nst, nst != 1))  # stable: ties keep the scheduler's order
+        req_ids = [req_ids[i] for i in order.tolist()]
+        nst = nst[order]
+    index = state.req_id_to_index
+    idx_mapping_np = np.fromiter(map(index.__getitem__, req_ids), dtype=np.int32, count=len(req_ids))
     return req_ids, idx_mapping_np, nst
 
 

@@ -154,13 +154,15 @@ class GPUModelRunner(RunnerSetupMixin):
 
     def _update_requests(self, so: SchedulerOutput) -> None:
         cached = so.scheduled_cached_reqs
-        for req_id, new_blocks, num_computed in zip(
-            cached.req_ids, cached.new_block_ids, cached.num_computed_tokens
-        ):
-            row = self.req_states.req_id_to_index[req_id]
-            # CPU upper bound only; the device counter is advanced by post_update.
-            self.req_states.num_computed_tokens_np[row] = num_computed
-            if new_blocks:
+        n = len(cached.req_ids)
+        if n == 0:
+            return
+        index = self.req_states.req_id_to_index
+        rows = np.fromiter(map(index.__getitem__, cached.req_ids), dtype=np.int64, count=n)
+        # CPU upper bound only; the device counter is advanced by post_update.
+        self.req_states.num_computed_tokens_np[rows] = cached.num_computed_tokens
+        for row, new_blocks in zip(rows.tolist(), cached.new_block_ids):
+            if new_blocks:  # most decode steps: a few rows cross a block boundary
                 self.block_tables.append_block_ids(row, new_blocks, overwrite=False)
 
     # ---- input prep ---------------------------------------------------------------------

@@ -2,7 +2,7 @@
 # The GPU machine's one entry point: install what the image lacks from carried wheels,
 # run the gpu-marked tests, run the benchmarks, write everything under $OUT.
 #
-#   scripts/gpu_check.sh [tests|attention|decode|ab|hf|all]...
+#   scripts/gpu_check.sh [tests|attention|decode|ab|ab_async|hf|all]...
 #
 # Run through the device tool from the repository root, carrying `.whl`:
 #   python3 -m pip download ... -d .whl pydantic==2.14.4 pydantic-core==2.50.5 \
@@ -38,9 +38,17 @@ if want decode; then
   python3 scripts/bench_decode.py --out "$OUT/decode.json" 2>&1 | tee "$OUT/decode.log"
 fi
 if want ab; then
-  # decode ladder 1..1024 + nano-vllm throughput, both runners in one process (A-B-B-A)
+  # decode ladder 1..1024 + churn + nano-vllm throughput, both runners in one process
+  # (A-B-B-A), once with the synchronous engine loop for both runners ...
   python3 -m shared.cli ab --model qwen3-0.6b --load-format dummy --dtype bfloat16 --device cuda \
-    --workloads decode,churn,throughput --output-dir "$OUT" 2>&1 | grep -v "^INFO" | tee "$OUT/ab.log"
+    --workloads decode,churn,throughput --output-dir "$OUT/ab_sync" 2>&1 | grep -v "^INFO" \
+    | tee "$OUT/ab_sync.log"
+fi
+if want ab_async; then
+  # ... and once with V2's async scheduling (V1 has none: it stays synchronous)
+  python3 -m shared.cli ab --model qwen3-0.6b --load-format dummy --dtype bfloat16 --device cuda \
+    --workloads decode,churn,throughput --async-scheduling --output-dir "$OUT/ab_async" 2>&1 \
+    | grep -v "^INFO" | tee "$OUT/ab_async.log"
 fi
 if want hf; then
   python3 scripts/hf_throughput.py --model qwen3-0.6b --device cuda --out "$OUT/hf_throughput.json" \

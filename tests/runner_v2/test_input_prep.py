@@ -3,6 +3,8 @@ padding, input ids of a mixed batch, logits_indices."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 
@@ -11,7 +13,6 @@ from runner_v2.input_batch import (
     InputBuffers,
     gather_batch_req_state,
     prepare_inputs,
-    sort_batch_req_ids,
 )
 from runner_v2.states import RequestState
 
@@ -25,12 +26,17 @@ def _expected_order(req_ids, nst):
     return decodes + rest
 
 
-def test_sort_batch_req_ids_decodes_first_then_ascending_stable():
+def test_batch_order_decodes_first_then_ascending_stable():
     rng = np.random.default_rng(0)
-    for _ in range(20):
+    for trial in range(40):
         req_ids = [f"r{i}" for i in rng.permutation(12)]
-        nst = {r: int(rng.choice([1, 1, 2, 3, 5, 8])) for r in req_ids}
-        assert sort_batch_req_ids(req_ids, nst) == _expected_order(req_ids, nst)
+        lengths = [1] if trial % 4 == 0 else [1, 1, 2, 3, 5, 8]  # some all-decode steps
+        nst = {r: int(rng.choice(lengths)) for r in req_ids}
+        state = SimpleNamespace(req_id_to_index={r: 100 + i for i, r in enumerate(req_ids)})
+        order, idx_np, q = gather_batch_req_state(nst, state)
+        assert order == _expected_order(req_ids, nst)
+        assert idx_np.tolist() == [state.req_id_to_index[r] for r in order]
+        assert q.tolist() == [nst[r] for r in order]
 
 
 class _Setup:
