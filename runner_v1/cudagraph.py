@@ -1,15 +1,24 @@
 """V1's implicit CUDA graphs: a dispatcher picks (mode, batch descriptor) per step, the
 mode travels in the forward context, and a wrapper around the model replays.
 
-FULL graphs cover uniform-decode batches (every request decodes one token), captured
-per capture size with the whole forward, attention included. Mixed batches run eager
-(piecewise graphs between attention calls are not implemented: an explicit
-cudagraph_mode=PIECEWISE is refused at start-up rather than silently ignored).
+- FULL graphs cover uniform-decode batches (every request decodes one token), captured
+  per capture size with the whole forward, attention included.
+- PIECEWISE graphs (runner_v1/piecewise.py) cover every other batch of up to the
+  largest piecewise size in tokens: the pieces between attention calls are captured per
+  padded token count and attention runs eagerly in between, so one graph per size
+  serves any mix of prefills and decodes.
+- NONE (eager at the real size) above the largest size, on CPU, or with graphs off.
 
-Padding: a batch of n decodes runs the graph of the smallest capture size B >= n. The
-rows n..B-1 are neutralised by input prep every step — query_start_loc repeats its
-last value, seq_lens are 0, block-table rows are 0, slot mapping is PAD — so a stale
-row from an earlier, larger batch can neither be read nor written.
+Padding: a FULL batch of n decodes runs the graph of the smallest capture size B >= n;
+the rows n..B-1 are neutralised by input prep every step — query_start_loc repeats its
+last value, seq_lens are 0, block-table rows are 0, slot mapping is PAD — so a stale row
+from an earlier, larger batch can neither be read nor written. A PIECEWISE batch of t
+tokens runs the graphs of the smallest size S >= t with its request count unpadded: the
+tokens t..S-1 get input id 0, position 0 and a PAD slot, belong to no request in the
+attention metadata, and are never sampled.
+
+The TORCH oracle backend reads lengths on the host, so it cannot run inside a graph:
+with it, FULL graphs are off; PIECEWISE graphs still work (attention runs eagerly).
 """
 
 from __future__ import annotations
@@ -22,6 +31,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from runner_v1.piecewise import PiecewiseGraphs
 from shared.attention.metadata import CommonAttentionMetadata
 from shared.cudagraph_utils import (
     BatchDescriptor,
@@ -36,28 +46,35 @@ logger = logging.getLogger("runnerlab")
 
 @dataclass(frozen=True)
 class StepPlan:
-    mode: str  # "FULL" | "NONE"
+    mode: str  # "FULL" | "PIECEWISE" | "NONE"
     num_tokens_padded: int
-    num_reqs_padded: int
+    num_reqs_padded: int  # == num_reqs for PIECEWISE / NONE: only tokens are padded
     descriptor: BatchDescriptor | None
 
 
 class CudaGraphWrapper:
     """Wraps the model's forward. Reads the mode from the forward context: FULL with a
-    captured descriptor replays; anything else runs the model."""
+    captured descriptor replays; PIECEWISE with a captured size runs the piecewise
+    graphs; anything else runs the model."""
 
-    def __init__(self, model: torch.nn.Module):
+    def __init__(self, model: torch.nn.Module, piecewise: PiecewiseGraphs | None = None):
         self.model = model
+        self.piecewise = piecewise
         self.graphs: dict[BatchDescriptor, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.pool = None
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         ctx = get_forward_context()
         desc = None if ctx is None else ctx.batch_descriptor
-        if ctx is not None and ctx.cudagraph_mode == "FULL" and desc in self.graphs:
+        if desc is not None and ctx.cudagraph_mode == "FULL" and desc in self.graphs:
             graph, output = self.graphs[desc]
             graph.replay()
             return output
+        if (
+            desc is not None and ctx.cudagraph_mode == "PIECEWISE"
+            and self.piecewise is not None and desc.num_tokens in self.piecewise
+        ):
+            return self.piecewise.run(input_ids, positions)
         return self.model(input_ids, positions)
 
     def capture(self, desc: BatchDescriptor, prepare: Any, run: Any) -> None:
@@ -77,45 +94,60 @@ class CudaGraphWrapper:
 class V1CudaGraphs:
     def __init__(self, config: Any, device: torch.device, executor, buffers, input_batch):
         cc = config.compilation_config
+        sc = config.scheduler_config
         self.mode = cc.cudagraph_mode  # resolved by policy: NONE on CPU / enforce_eager
-        self.capture_sizes = sorted(
-            s for s in cc.cudagraph_capture_sizes if s <= config.scheduler_config.max_num_seqs
+        on_cuda = device.type == "cuda"
+        # FULL: uniform decode, num_tokens == num_reqs <= max_num_seqs.
+        self.capture_sizes = sorted(s for s in cc.cudagraph_capture_sizes if s <= sc.max_num_seqs)
+        # PIECEWISE: any batch, num_tokens <= max_num_batched_tokens (the buffers' size).
+        self.piecewise_sizes = sorted(
+            s for s in cc.cudagraph_capture_sizes if s <= sc.max_num_batched_tokens
         )
-        # The TORCH oracle reads lengths on the host: it cannot run inside a graph.
-        self.enabled = (
-            device.type == "cuda" and self.mode != "NONE" and bool(self.capture_sizes)
-            and executor.backend.name != "TORCH"
+        # The TORCH oracle reads lengths on the host: it cannot run inside a FULL graph;
+        # between piecewise graphs it runs eagerly like any backend.
+        torch_oracle = executor.backend.name == "TORCH"
+        self.full_enabled = (
+            on_cuda and self.mode in ("FULL", "FULL_AND_PIECEWISE")
+            and bool(self.capture_sizes) and not torch_oracle
         )
+        self.piecewise_enabled = (
+            on_cuda and self.mode in ("PIECEWISE", "FULL_AND_PIECEWISE")
+            and bool(self.piecewise_sizes)
+        )
+        self.enabled = self.full_enabled or self.piecewise_enabled
+        if on_cuda and torch_oracle and self.mode in ("FULL", "FULL_AND_PIECEWISE"):
+            logger.info(
+                "V1 cudagraph_mode=%s with the TORCH attention backend: no FULL graphs (it "
+                "reads lengths on the host)%s", self.mode,
+                "; piecewise graphs cover every batch" if self.piecewise_enabled else "",
+            )
         self.device = device
         self.executor = executor
         self.buffers = buffers
         self.input_batch = input_batch
         self.wrapper: CudaGraphWrapper | None = None
-        self.max_model_len = config.scheduler_config.max_model_len
-        requested = cc.cudagraph_mode_requested
-        if self.enabled and requested in ("PIECEWISE", "FULL_AND_PIECEWISE"):
-            # Asked for by name, it would be (partly) ignored: refuse rather than no-op.
-            raise ValueError(
-                f"cudagraph_mode={requested!r}: runnerlab's V1 runner does not implement "
-                "piecewise graphs yet (mixed batches would run eager); use cudagraph_mode="
-                "'FULL' (uniform-decode graphs), 'auto' or 'NONE'"
-            )
-        if self.enabled and self.mode == "FULL_AND_PIECEWISE":
-            logger.warning(
-                "V1 cudagraph_mode=FULL_AND_PIECEWISE (auto): FULL graphs cover uniform "
-                "decode; piecewise graphs are not implemented yet, so mixed batches run eager"
-            )
+        self.captured = False  # dispatch picks graphs only once they exist
+        self.max_model_len = sc.max_model_len
 
     # ---- dispatch -----------------------------------------------------------------------
     def dispatch(self, num_scheduled: np.ndarray) -> StepPlan:
+        """FULL for a uniform decode within the FULL sizes; else PIECEWISE within the
+        piecewise sizes (token count padded by bisection, request count not padded);
+        else NONE at the real sizes."""
         num_reqs = int(num_scheduled.shape[0])
         num_tokens = int(num_scheduled.sum())
-        if self.enabled and self.wrapper is not None:
-            max_query_len = int(num_scheduled.max())
-            if is_uniform_decode(max_query_len, num_tokens, num_reqs):
-                size = padded_size(num_reqs, self.capture_sizes)
-                if size is not None:
-                    return StepPlan("FULL", size, size, BatchDescriptor("FULL", size, size))
+        if not self.captured or num_tokens == 0:
+            return StepPlan("NONE", num_tokens, num_reqs, None)
+        if self.full_enabled and is_uniform_decode(int(num_scheduled.max()), num_tokens, num_reqs):
+            size = padded_size(num_reqs, self.capture_sizes)
+            if size is not None:
+                return StepPlan("FULL", size, size, BatchDescriptor("FULL", size, size))
+        if self.piecewise_enabled:
+            size = padded_size(num_tokens, self.piecewise_sizes)
+            if size is not None:
+                # PIECEWISE graphs are keyed by token count alone (num_reqs None): the
+                # attention between them is eager and sees the real request count.
+                return StepPlan("PIECEWISE", size, num_reqs, BatchDescriptor("PIECEWISE", size, None))
         return StepPlan("NONE", num_tokens, num_reqs, None)
 
     def run(self, plan: StepPlan, inputs, attn_metadata) -> torch.Tensor:
@@ -129,7 +161,26 @@ class V1CudaGraphs:
         if not self.enabled:
             return
         model = self.executor.model
-        self.wrapper = CudaGraphWrapper(model)
+        piecewise = None
+        if self.piecewise_enabled:
+            piecewise = PiecewiseGraphs(
+                model, self.piecewise_sizes, self.buffers.input_ids.gpu,
+                self.buffers.positions.gpu, self.executor.dtype,
+            )
+        self.wrapper = CudaGraphWrapper(model, piecewise)
+        # One memory pool for every graph. FULL first: its graphs keep their outputs
+        # alive in the pool, so no later capture places scratch memory over them; the
+        # piecewise graphs own no live outputs (they copy into static buffers).
+        self.wrapper.pool = torch.cuda.graph_pool_handle()
+        if self.full_enabled:
+            self._capture_full()
+        if piecewise is not None:
+            piecewise.capture(self.wrapper.pool)
+        # From now on the executor's model call goes through the wrapper.
+        self.executor.model_call = self.wrapper
+        self.captured = True
+
+    def _capture_full(self) -> None:
         start = time.perf_counter()
         free_before = torch.cuda.mem_get_info()[0]
         for size in sorted(self.capture_sizes, reverse=True):  # largest first: pool reuse
@@ -138,8 +189,6 @@ class V1CudaGraphs:
                 desc, lambda s=size: self._fill_dummy_inputs(s),
                 lambda common, s=size: self._captured_forward(s, common),
             )
-        # From now on the executor's model call goes through the wrapper.
-        self.executor.model_call = self.wrapper
         torch.cuda.synchronize()
         used = free_before - torch.cuda.mem_get_info()[0]
         logger.info(

@@ -71,20 +71,32 @@ class LlamaAttention(nn.Module):
         )
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.pre_attention(positions, hidden_states)
+        return self.post_attention(self.attn(q, k, v))
+
+    # The two halves around the attention call: the piecewise CUDA-graph path captures
+    # them and runs `self.attn` eagerly in between (runner_v1/piecewise.py).
+    def pre_attention(
+        self, positions: torch.Tensor, hidden_states: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """hidden [T, hidden] -> q [T, H*D], k [T, Hkv*D], v [T, Hkv*D]: the qkv matmul,
+        q/k norm (Qwen3) and RoPE."""
         qkv = self.qkv_proj(hidden_states)
         if fused_ops.use_fused(qkv):
             # One launch: q/k norm (Qwen3) + RoPE in place in qkv; q, k, v are its slices.
             rope = self.rotary_emb
-            q, k, v = fused_ops.qk_norm_rope(
+            return fused_ops.qk_norm_rope(
                 qkv, positions, rope.cos_sin_cache,
                 self.num_heads, self.num_kv_heads, self.head_dim, rope.rotary_dim,
                 None if self.q_norm is None else self.q_norm.weight,
                 None if self.k_norm is None else self.k_norm.weight,
                 0.0 if self.q_norm is None else self.q_norm.eps,
             )
-        else:
-            q, k, v = self._norm_rope_torch(positions, qkv)
-        return self.o_proj(self.attn(q, k, v))
+        return self._norm_rope_torch(positions, qkv)
+
+    def post_attention(self, attn_output: torch.Tensor) -> torch.Tensor:
+        """attention output [T, H*D] -> [T, hidden]."""
+        return self.o_proj(attn_output)
 
     def _norm_rope_torch(
         self, positions: torch.Tensor, qkv: torch.Tensor
@@ -118,12 +130,30 @@ class LlamaDecoderLayer(nn.Module):
         stream before it (None for the first layer, whose input is the stream itself);
         returns (this layer's MLP output, the stream before it). Each norm does the pending
         residual add, so h + attn(norm(h)) is the same sum, just computed one call later."""
+        q, k, v, residual = self.pre_attention(positions, hidden_states, residual)
+        return self.post_attention(self.self_attn.attn(q, k, v), residual)
+
+    def pre_attention(
+        self,
+        positions: torch.Tensor,
+        hidden_states: torch.Tensor,
+        residual: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Everything before the attention call: (pending residual add +) input norm and
+        the attention's pre_attention. -> (q, k, v, residual stream)."""
         if residual is None:
             residual = hidden_states
             hidden_states = self.input_layernorm(hidden_states)
         else:
             hidden_states, residual = self.input_layernorm(hidden_states, residual)
-        hidden_states = self.self_attn(positions, hidden_states)
+        q, k, v = self.self_attn.pre_attention(positions, hidden_states)
+        return q, k, v, residual
+
+    def post_attention(
+        self, attn_output: torch.Tensor, residual: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Everything after it: o_proj, residual add + norm, MLP. -> (MLP output, stream)."""
+        hidden_states = self.self_attn.post_attention(attn_output)
         hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
         return self.mlp(hidden_states), residual
 
@@ -142,10 +172,66 @@ class LlamaModel(nn.Module):
         residual = None
         for layer in self.layers:
             hidden_states, residual = layer(positions, hidden_states, residual)
+        return self._final_norm(hidden_states, residual)
+
+    def _final_norm(self, hidden_states: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
         if residual is None:  # no layers
             return self.norm(hidden_states)
         hidden_states, _ = self.norm(hidden_states, residual)
         return hidden_states
+
+    # ---- the piecewise split: segments between the attention calls -------------------
+    # Segment 0 = embedding + layer 0 up to its attention; segment i (1..L-1) = the rest
+    # of layer i-1 + layer i up to its attention; segment L = the rest of layer L-1 + the
+    # final norm. Attention i runs between segments i and i+1. Only the segments depend
+    # on nothing but the token count, so only they can be captured per padded size.
+    @property
+    def num_segments(self) -> int:
+        return len(self.layers) + 1
+
+    def forward_segment(
+        self,
+        index: int,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        attn_output: torch.Tensor | None,
+        residual: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | torch.Tensor:
+        """Segment `index`. Segment 0 reads input_ids (and ignores attn_output/residual);
+        a later one reads the previous attention's output and the residual stream.
+        -> (q, k, v, residual) for the next attention, or, for the last segment, the
+        final hidden states [T, hidden]. With no layers, segment 0 is the last one."""
+        if not 0 <= index < self.num_segments:
+            raise IndexError(f"segment {index} out of range 0..{self.num_segments - 1}")
+        if index == 0:
+            hidden_states, residual = self.embed_tokens(input_ids), None
+        else:
+            hidden_states, residual = self.layers[index - 1].post_attention(attn_output, residual)
+        if index < len(self.layers):
+            return self.layers[index].pre_attention(positions, hidden_states, residual)
+        return self._final_norm(hidden_states, residual)
+
+    def attention(
+        self, index: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> torch.Tensor:
+        """Attention of layer `index` (KV write + paged attention, metadata from the
+        forward context): what runs eagerly between segments index and index + 1."""
+        return self.layers[index].self_attn.attn(q, k, v)
+
+    def forward_piecewise_eager(
+        self, input_ids: torch.Tensor, positions: torch.Tensor
+    ) -> torch.Tensor:
+        """forward() through the piecewise split, all eager: the same ops in the same
+        order, so the same numbers (the oracle for the graphed path)."""
+        attn_output = residual = None
+        for index in range(len(self.layers)):
+            q, k, v, residual = self.forward_segment(
+                index, input_ids, positions, attn_output, residual
+            )
+            attn_output = self.attention(index, q, k, v)
+        return self.forward_segment(
+            len(self.layers), input_ids, positions, attn_output, residual
+        )
 
 
 class LlamaForCausalLM(nn.Module):
@@ -188,6 +274,12 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """input_ids int [T], positions int64 [T] -> hidden states [T, hidden]."""
         return self.model(input_ids, positions)
+
+    def forward_piecewise_eager(
+        self, input_ids: torch.Tensor, positions: torch.Tensor
+    ) -> torch.Tensor:
+        """forward() run segment by segment (see LlamaModel.forward_segment)."""
+        return self.model.forward_piecewise_eager(input_ids, positions)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """[N, hidden] -> [N, vocab] in the model dtype."""

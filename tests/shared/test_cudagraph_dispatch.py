@@ -1,6 +1,6 @@
 """CUDA-graph dispatch logic, on CPU: the padding ladder, the uniform-decode predicate,
-and each runner's choice between a FULL graph and eager (capture itself is GPU-only,
-tests/gpu/test_runner_cudagraph_gpu.py)."""
+and each runner's choice between a FULL graph, PIECEWISE graphs (V1) and eager (capture
+itself is GPU-only, tests/gpu/test_runner_cudagraph_gpu.py, tests/gpu/test_piecewise_gpu.py)."""
 
 from __future__ import annotations
 
@@ -37,12 +37,14 @@ def test_uniform_decode_predicate() -> None:
     assert not is_uniform_decode(max_query_len=1, num_tokens=6, num_reqs=7)  # an empty row
 
 
-def _config(mode: str, sizes: list[int], max_num_seqs: int = 512):
+def _config(mode: str, sizes: list[int], max_num_seqs: int = 512,
+            max_num_batched_tokens: int = 2048):
     return SimpleNamespace(
         compilation_config=SimpleNamespace(
             cudagraph_mode=mode, cudagraph_mode_requested="auto", cudagraph_capture_sizes=sizes
         ),
-        scheduler_config=SimpleNamespace(max_num_seqs=max_num_seqs, max_model_len=1024),
+        scheduler_config=SimpleNamespace(max_num_seqs=max_num_seqs, max_model_len=1024,
+                                         max_num_batched_tokens=max_num_batched_tokens),
     )
 
 
@@ -50,12 +52,18 @@ def _executor(backend: str = "TRITON"):
     return SimpleNamespace(backend=SimpleNamespace(name=backend), block_size=16)
 
 
-def _v1(mode: str = "FULL_AND_PIECEWISE", backend: str = "TRITON") -> V1CudaGraphs:
-    graphs = V1CudaGraphs(_config(mode, LADDER), SimpleNamespace(type="cpu"), _executor(backend),
-                          None, None)
-    # As if captured on a GPU: dispatch only needs the ladder and a wrapper.
-    graphs.enabled, graphs.wrapper = True, object()
+def _v1(mode: str = "FULL_AND_PIECEWISE", backend: str = "TRITON", sizes: list[int] = LADDER,
+        max_num_seqs: int = 512) -> V1CudaGraphs:
+    graphs = V1CudaGraphs(_config(mode, sizes, max_num_seqs), SimpleNamespace(type="cuda"),
+                          _executor(backend), None, None)
+    # As if captured on a GPU: dispatch only needs the ladders and the captured flag.
+    graphs.captured = True
     return graphs
+
+
+def _plan(graphs: V1CudaGraphs, query_lens: list[int]):
+    plan = graphs.dispatch(np.array(query_lens, dtype=np.int32))
+    return plan.mode, plan.num_tokens_padded, plan.num_reqs_padded
 
 
 def test_v1_full_for_uniform_decode_padded_up_the_ladder() -> None:
@@ -64,20 +72,75 @@ def test_v1_full_for_uniform_decode_padded_up_the_ladder() -> None:
     assert plan.descriptor == BatchDescriptor("FULL", 40, 40)
 
 
-def test_v1_mixed_batch_and_oversized_batch_run_eager_at_real_size() -> None:
-    mixed = _v1().dispatch(np.array([1, 1, 5], dtype=np.int32))
-    assert (mixed.mode, mixed.num_tokens_padded, mixed.num_reqs_padded) == ("NONE", 7, 3)
-    big = _v1().dispatch(np.ones(600, dtype=np.int32))  # above the largest capture size
-    assert (big.mode, big.num_tokens_padded) == ("NONE", 600)
+def test_v1_mixed_batch_runs_piecewise_with_only_the_tokens_padded() -> None:
+    plan = _v1().dispatch(np.array([1, 1, 5], dtype=np.int32))
+    assert (plan.mode, plan.num_tokens_padded, plan.num_reqs_padded) == ("PIECEWISE", 8, 3)
+    # keyed by token count alone: any request count shares the size's graphs
+    assert plan.descriptor == BatchDescriptor("PIECEWISE", 8, None)
+    assert _plan(_v1(), [33, 100, 2]) == ("PIECEWISE", 136, 3)  # 135 -> 136 (step 8)
+    assert _plan(_v1(), [512]) == ("PIECEWISE", 512, 1)  # a size itself: no padding
 
 
-def test_v1_graphs_off_on_cpu_and_for_the_torch_oracle() -> None:
+def test_v1_oversized_batches_run_eager_at_real_size() -> None:
+    assert _plan(_v1(), [1] * 600) == ("NONE", 600, 600)  # above every capture size
+    assert _plan(_v1(), [300, 213]) == ("NONE", 513, 2)
+    assert _v1().dispatch(np.array([300, 213], dtype=np.int32)).descriptor is None
+
+
+@given(st.lists(st.integers(1, 64), min_size=1, max_size=40),
+       st.sampled_from(["FULL", "PIECEWISE", "FULL_AND_PIECEWISE"]))
+def test_v1_dispatch_per_mode(query_lens: list[int], mode: str) -> None:
+    """The decision table, against an independent statement of it."""
+    num_tokens, num_reqs = sum(query_lens), len(query_lens)
+    uniform = max(query_lens) == 1
+    fits = [s for s in LADDER if s >= num_tokens]
+    if uniform and mode != "PIECEWISE" and fits:
+        want = ("FULL", min(fits), min(fits))
+    elif mode != "FULL" and fits:
+        want = ("PIECEWISE", min(fits), num_reqs)
+    else:
+        want = ("NONE", num_tokens, num_reqs)
+    assert _plan(_v1(mode), query_lens) == want
+
+
+def test_v1_full_sizes_stop_at_max_num_seqs_piecewise_sizes_at_the_token_budget() -> None:
+    graphs = _v1(sizes=[1, 2, 4, 8, 16, 32, 64], max_num_seqs=8)
+    assert graphs.capture_sizes == [1, 2, 4, 8]
+    assert graphs.piecewise_sizes == [1, 2, 4, 8, 16, 32, 64]
+    assert _plan(graphs, [1] * 6) == ("FULL", 8, 8)
+    # A uniform decode above the FULL sizes falls to the piecewise graphs.
+    assert _plan(graphs, [1] * 12) == ("PIECEWISE", 16, 12)
+    assert _plan(graphs, [20, 30]) == ("PIECEWISE", 64, 2)
+    assert _plan(graphs, [40, 30]) == ("NONE", 70, 2)
+
+
+def test_v1_nothing_before_capture_and_nothing_for_an_empty_step() -> None:
+    graphs = _v1()
+    graphs.captured = False
+    assert _plan(graphs, [1, 1, 5]) == ("NONE", 7, 3)
+    assert _plan(graphs, [1, 1]) == ("NONE", 2, 2)
+
+
+def test_v1_graphs_off_on_cpu_and_full_off_for_the_torch_oracle() -> None:
     cpu = V1CudaGraphs(_config("FULL", LADDER), SimpleNamespace(type="cpu"), _executor(), None, None)
     assert not cpu.enabled
     assert cpu.dispatch(np.ones(4, dtype=np.int32)).mode == "NONE"
     torch_oracle = V1CudaGraphs(_config("FULL", LADDER), SimpleNamespace(type="cuda"),
                                 _executor("TORCH"), None, None)
     assert not torch_oracle.enabled  # it reads lengths on the host: not capturable
+    # Piecewise graphs leave attention eager, so the TORCH backend can use them.
+    both = _v1("FULL_AND_PIECEWISE", backend="TORCH")
+    assert (both.full_enabled, both.piecewise_enabled) == (False, True)
+    assert _plan(both, [1] * 5) == ("PIECEWISE", 8, 5)
+    assert _plan(both, [1, 3]) == ("PIECEWISE", 4, 2)
+
+
+def test_v1_explicit_piecewise_modes_are_accepted() -> None:
+    for mode in ("PIECEWISE", "FULL_AND_PIECEWISE"):
+        config = _config(mode, LADDER)
+        config.compilation_config.cudagraph_mode_requested = mode
+        graphs = V1CudaGraphs(config, SimpleNamespace(type="cuda"), _executor(), None, None)
+        assert graphs.piecewise_enabled and graphs.full_enabled == (mode != "PIECEWISE")
 
 
 def test_v2_dispatch_returns_a_descriptor_only_for_captured_uniform_decode() -> None:
