@@ -12,8 +12,6 @@ and fails when one is missing from it).
 from __future__ import annotations
 
 import heapq
-import secrets
-from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -21,64 +19,12 @@ import torch
 from runner_v1.batch_update import BatchUpdate, BatchUpdateBuilder, MoveDirectionality
 from runner_v1.block_table import BlockTable
 from runner_v1.buffers import CpuGpuBuffer, make_cpu_tensor
+from runner_v1.request_state import CachedRequestState
 from runner_v1.sampling_metadata import SamplingMetadata
-from shared.sampling_params import SamplingParams
-from shared.step import NewRequestData
-
-
-@dataclass
-class CachedRequestState:
-    """The runner's own copy of a request, kept while the request lives (also while it
-    is scheduled out of the batch), so that it can be put back into a row."""
-
-    req_id: str
-    prompt_token_ids: list[int]  # the prefill: user prompt + outputs from before a preemption
-    prompt_len: int  # the user prompt's length; penalties / min_tokens count the rest as output
-    sampling_params: SamplingParams
-    eos_token_id: int | None
-    block_ids: list[int]
-    num_computed_tokens: int
-    # None -> the resumed outputs inside the prefill. The runner appends sampled tokens.
-    output_token_ids: list[int] | None = None
-    # None -> sampling_params.seed, else a random seed drawn once and kept with the request.
-    seed: int | None = None
-
-    def __post_init__(self) -> None:
-        resumed = self.prompt_token_ids[self.prompt_len :]
-        if self.output_token_ids is None:
-            self.output_token_ids = list(resumed)
-        elif self.output_token_ids[: len(resumed)] != resumed:
-            raise ValueError(
-                f"request {self.req_id!r}: output_token_ids must start with the resumed "
-                "outputs carried in prompt_token_ids[prompt_len:]"
-            )
-        if self.seed is None:
-            # The engine assigns seeds at admission; this keeps a direct caller working.
-            seed = self.sampling_params.seed
-            self.seed = seed if seed is not None else secrets.randbits(63)
-
-    @classmethod
-    def from_new_request(
-        cls, new_req: NewRequestData, eos_token_id: int | None
-    ) -> CachedRequestState:
-        return cls(
-            req_id=new_req.req_id,
-            prompt_token_ids=list(new_req.prompt_token_ids),
-            prompt_len=new_req.prompt_len,
-            sampling_params=new_req.sampling_params,
-            eos_token_id=eos_token_id,
-            block_ids=list(new_req.block_ids),
-            num_computed_tokens=new_req.num_computed_tokens,
-        )
-
-    @property
-    def num_tokens(self) -> int:
-        return self.prompt_len + len(self.output_token_ids)
-
-    @property
-    def all_token_ids(self) -> list[int]:
-        return self.prompt_token_ids[: self.prompt_len] + self.output_token_ids
-
+from runner_v1.sampling_metadata_builder import (
+    compute_min_tokens_stop_ids,
+    make_sampling_metadata,
+)
 
 # Every row-indexed field of InputBatch, by attribute name. condense() and swap_states()
 # move exactly these; add a field here when you add one to __init__.
@@ -383,66 +329,10 @@ class InputBatch:
         self._require_dense("refresh_sampling_metadata")
         self.last_batch_update = self.batch_update_builder.get_and_reset(self.num_reqs)
         if self._sampling_metadata is None:
-            self._sampling_metadata = self._make_sampling_metadata()
-        self._sampling_metadata.min_tokens_stop_ids = self.compute_min_tokens_stop_ids()
+            self._sampling_metadata = make_sampling_metadata(self)
+        self._sampling_metadata.min_tokens_stop_ids = compute_min_tokens_stop_ids(self)
         return self._sampling_metadata
 
     def compute_min_tokens_stop_ids(self) -> dict[int, list[int]]:
-        """Rows that have generated fewer than min_tokens -> token ids to mask (stop ids,
-        and EOS unless ignored). Cheap when no row uses min_tokens."""
-        n = self.num_reqs
-        min_tokens = self.min_tokens[:n]
-        if not min_tokens.any():
-            return {}
-        num_output = self.num_tokens[:n] - self.num_prompt_tokens[:n]
-        result: dict[int, list[int]] = {}
-        for row in np.flatnonzero(num_output < min_tokens).tolist():
-            ids = list(self.stop_token_ids[row])
-            if self.eos_token_id[row] >= 0:
-                ids.append(int(self.eos_token_id[row]))
-            if ids:
-                result[row] = ids
-        return result
-
-    def _make_sampling_metadata(self) -> SamplingMetadata:
-        n = self.num_reqs
-        temperature = self.temperature.np[:n]
-
-        def copied_if(buf: CpuGpuBuffer, used: bool) -> torch.Tensor | None:
-            return buf.copy_to_gpu(n) if used else None
-
-        no_penalties = not (
-            self.presence_penalty.np[:n].any()
-            or self.frequency_penalty.np[:n].any()
-            or (self.repetition_penalty.np[:n] != 1.0).any()
-        )
-        num_logprobs = self.num_logprobs[:n].tolist()
-        max_num_logprobs = max(num_logprobs, default=-1)
-        return SamplingMetadata(
-            num_reqs=n,
-            temperature=self.temperature.copy_to_gpu(n),
-            all_greedy=bool((temperature == 0.0).all()),
-            all_random=bool((temperature != 0.0).all()),
-            top_k=copied_if(self.top_k, bool(self.top_k.np[:n].any())),
-            top_p=copied_if(self.top_p, bool((self.top_p.np[:n] < 1.0).any())),
-            min_p=copied_if(self.min_p, bool((self.min_p.np[:n] > 0.0).any())),
-            seeds=self.seeds.copy_to_gpu(n),
-            presence_penalty=copied_if(self.presence_penalty, not no_penalties),
-            frequency_penalty=copied_if(self.frequency_penalty, not no_penalties),
-            repetition_penalty=copied_if(self.repetition_penalty, not no_penalties),
-            prompt_token_ids=None if no_penalties else self._make_prompt_token_ids(n),
-            output_token_ids=list(self.req_output_token_ids[:n]),
-            num_logprobs=num_logprobs,
-            max_num_logprobs=max_num_logprobs if max_num_logprobs >= 0 else None,
-            min_tokens_stop_ids={},
-        )
-
-    def _make_prompt_token_ids(self, n: int) -> torch.Tensor:
-        """User-prompt tokens per row, padded with vocab_size (a bin past the vocabulary,
-        so padding never counts as a real token). Resumed outputs are not prompt."""
-        prompt_lens = self.num_prompt_tokens[:n]
-        width = int(prompt_lens.max()) if n else 0
-        prompt = self.token_ids[:n, :width].astype(np.int64)
-        prompt[np.arange(width)[None, :] >= prompt_lens[:, None]] = self.vocab_size
-        # A blocking copy: `prompt` is a temporary in pageable memory.
-        return torch.from_numpy(prompt).to(self.device)
+        """See runner_v1.sampling_metadata_builder.compute_min_tokens_stop_ids."""
+        return compute_min_tokens_stop_ids(self)

@@ -17,8 +17,9 @@ import numpy as np
 import torch
 
 from runner_v1.cudagraph import V1CudaGraphs
-from runner_v1.input_batch import CachedRequestState, InputBatch
+from runner_v1.input_batch import InputBatch
 from runner_v1.prepare_inputs import InputBuffers, PreparedInputs, prepare_inputs
+from runner_v1.request_state import CachedRequestState
 from runner_v1.sampler import Sampler, SamplerOutput
 from runner_v1.sampling_metadata import SamplingMetadata
 from shared.model_executor import ModelExecutor

@@ -19,7 +19,8 @@ from hypothesis.stateful import (
 from runner_v1.batch_update import replay_batch_update
 from runner_v1.block_table import BlockTable
 from runner_v1.buffers import CpuGpuBuffer
-from runner_v1.input_batch import ROW_FIELDS, CachedRequestState, InputBatch
+from runner_v1.input_batch import ROW_FIELDS, InputBatch
+from runner_v1.request_state import CachedRequestState
 from shared.sampling_params import SamplingParams
 
 # Deliberately distinct sizes, so that only row-indexed arrays have max_num_reqs rows.

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from runner_v1.input_batch import CachedRequestState, InputBatch
+from runner_v1.input_batch import InputBatch
 from runner_v1.prepare_inputs import (
     InputBuffers,
     compute_req_indices,
@@ -12,6 +12,7 @@ from runner_v1.prepare_inputs import (
     cumsum_and_arange,
     prepare_inputs,
 )
+from runner_v1.request_state import CachedRequestState
 from shared.attention.metadata import PAD_SLOT_ID
 from shared.sampling_params import SamplingParams
 
