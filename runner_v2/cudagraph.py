@@ -5,7 +5,7 @@ prep has already written the step's inputs into the captured persistent buffers.
 
 What makes a replay safe with fewer real rows than the graph's size: the pos/seq_lens
 kernel zeroes seq_lens past num_reqs, query_start_loc's tail repeats the token count,
-gather_block_tables zeroes padded rows and the slot mapping is PAD from the real token
+BlockTables.prepare zeroes padded rows and the slot mapping is PAD from the real token
 count to the end — so the padded rows attend to nothing and write nothing.
 """
 

@@ -96,27 +96,53 @@ def gather_batch_req_state(
 
 
 @triton.jit
-def _prepare_pos_seq_lens_kernel(
+def _prepare_inputs_kernel(
+    input_ids_ptr,  # [max_num_tokens] int32
     positions_ptr,  # [max_num_tokens] int64
     seq_lens_ptr,  # [max_num_reqs] int32
+    logits_indices_ptr,  # [max_num_reqs] int32
     idx_mapping_ptr,  # [num_reqs] int32
     query_start_loc_ptr,  # [num_reqs + 1] int32
     num_computed_ptr,  # [max_num_reqs] int32, by state row (device truth)
+    prefill_len_ptr,  # [max_num_reqs] int32
+    last_sampled_ptr,  # [max_num_reqs] int64
+    all_token_ids_ptr,  # [max_num_reqs, max_model_len] int32 (UVA on CUDA)
+    all_token_ids_stride,
     num_reqs,
     max_num_reqs,
     BLOCK: tl.constexpr,
 ):
+    """One program per batch row: seq_len, positions, input ids (prefill positions from
+    all_token_ids, the sampled position from last_sampled_tokens) and the logit index.
+    One extra program zeroes the padded seq_lens."""
     b = tl.program_id(0)
     if b < num_reqs:
         row = tl.load(idx_mapping_ptr + b)
         num_computed = tl.load(num_computed_ptr + row)
+        prefill_len = tl.load(prefill_len_ptr + row)
         start = tl.load(query_start_loc_ptr + b)
         end = tl.load(query_start_loc_ptr + b + 1)
-        tl.store(seq_lens_ptr + b, num_computed + end - start)
+        query_len = end - start
+        tl.store(seq_lens_ptr + b, num_computed + query_len)
+        # One logit per row (no speculative tokens): its last token.
+        tl.store(logits_indices_ptr + b, end - 1)
         for off in range(start, end, BLOCK):
             offs = off + tl.arange(0, BLOCK)
             pos = num_computed + (offs - start)
             tl.store(positions_ptr + offs, pos.to(tl.int64), mask=offs < end)
+        # Prefill positions (< prefill_len) come from the token table...
+        n = tl.minimum(query_len, prefill_len - num_computed)
+        src = all_token_ids_ptr + row.to(tl.int64) * all_token_ids_stride + num_computed
+        for off in range(0, n, BLOCK):
+            offs = off + tl.arange(0, BLOCK)
+            mask = offs < n
+            tl.store(input_ids_ptr + start + offs, tl.load(src + offs, mask=mask), mask=mask)
+        # ... and the first position at or past prefill_len is the token sampled last
+        # step, still only on the device. Without speculative decoding it is the only one.
+        first_sampled_pos = tl.maximum(num_computed, prefill_len)
+        if first_sampled_pos < num_computed + query_len:
+            tok = tl.load(last_sampled_ptr + row)
+            tl.store(input_ids_ptr + start + first_sampled_pos - num_computed, tok.to(tl.int32))
     else:
         # The extra program zeroes the whole padded tail, so any graph size that
         # reads past num_reqs sees seq_len 0 (not a previous step's length).
@@ -124,61 +150,6 @@ def _prepare_pos_seq_lens_kernel(
             offs = off + tl.arange(0, BLOCK)
             zeros = tl.zeros([BLOCK], dtype=tl.int32)
             tl.store(seq_lens_ptr + offs, zeros, mask=offs < max_num_reqs)
-
-
-@triton.jit
-def _prepare_prefill_inputs_kernel(
-    input_ids_ptr,  # [max_num_tokens] int32
-    all_token_ids_ptr,  # [max_num_reqs, max_model_len] int32 (UVA on CUDA)
-    all_token_ids_stride,
-    idx_mapping_ptr,  # [num_reqs] int32
-    query_start_loc_ptr,  # [num_reqs + 1] int32
-    num_computed_ptr,  # [max_num_reqs] int32
-    prefill_len_ptr,  # [max_num_reqs] int32
-    BLOCK: tl.constexpr,
-):
-    b = tl.program_id(0)
-    row = tl.load(idx_mapping_ptr + b)
-    num_computed = tl.load(num_computed_ptr + row)
-    prefill_len = tl.load(prefill_len_ptr + row)
-    if num_computed < prefill_len:
-        start = tl.load(query_start_loc_ptr + b)
-        end = tl.load(query_start_loc_ptr + b + 1)
-        # Only prefill positions; a position >= prefill_len is a sampled token and
-        # comes from last_sampled_tokens (_combine_sampled_kernel).
-        n = tl.minimum(end - start, prefill_len - num_computed)
-        src = all_token_ids_ptr + row.to(tl.int64) * all_token_ids_stride + num_computed
-        for off in range(0, n, BLOCK):
-            offs = off + tl.arange(0, BLOCK)
-            mask = offs < n
-            tok = tl.load(src + offs, mask=mask)
-            tl.store(input_ids_ptr + start + offs, tok, mask=mask)
-
-
-@triton.jit
-def _combine_sampled_kernel(
-    input_ids_ptr,  # [max_num_tokens] int32
-    logits_indices_ptr,  # [max_num_reqs] int32
-    idx_mapping_ptr,  # [num_reqs] int32
-    query_start_loc_ptr,  # [num_reqs + 1] int32
-    num_computed_ptr,  # [max_num_reqs] int32
-    prefill_len_ptr,  # [max_num_reqs] int32
-    last_sampled_ptr,  # [max_num_reqs] int64
-):
-    b = tl.program_id(0)
-    row = tl.load(idx_mapping_ptr + b)
-    start = tl.load(query_start_loc_ptr + b)
-    end = tl.load(query_start_loc_ptr + b + 1)
-    # One logit per row (no speculative tokens): its last token.
-    tl.store(logits_indices_ptr + b, end - 1)
-    num_computed = tl.load(num_computed_ptr + row)
-    prefill_len = tl.load(prefill_len_ptr + row)
-    # The first input position at or past prefill_len is the token sampled last step,
-    # still only on the device. Without speculative decoding that is the only one.
-    first_sampled_pos = tl.maximum(num_computed, prefill_len)
-    if first_sampled_pos < num_computed + end - start:
-        tok = tl.load(last_sampled_ptr + row)
-        tl.store(input_ids_ptr + start + first_sampled_pos - num_computed, tok.to(tl.int32))
 
 
 # ---- host side ----------------------------------------------------------------------
@@ -204,8 +175,8 @@ def prepare_inputs(
     buffers: InputBuffers,
 ) -> InputBatch:
     """Fill the persistent buffers for one step (batch already ordered) and return the
-    step's views. Two small H2D copies (idx_mapping, query_start_loc), then 2-3
-    launches; no sync."""
+    step's views. Two small H2D copies (idx_mapping, query_start_loc), then one
+    launch; no sync."""
     num_reqs = len(req_ids)
     assert idx_mapping_np.shape == (num_reqs,) and num_scheduled_tokens_np.shape == (num_reqs,)
     num_tokens = int(num_scheduled_tokens_np.sum())
@@ -222,14 +193,8 @@ def prepare_inputs(
     query_start_loc = buffers.query_start_loc[: num_reqs_padded + 1]
     async_copy_to_device(qsl_np, device, out=query_start_loc)
 
-    _launch_pos_seq_lens(buffers, idx_mapping, state, num_reqs)
-    # Host mirror: num_computed_tokens_np is an upper bound, so "mirror < prefill_len"
-    # implies the device value is too; skip the launch for all-decode steps.
+    _launch_prepare_inputs(buffers, idx_mapping, state, num_reqs)
     nc_np = state.num_computed_tokens_np[idx_mapping_np]
-    if num_reqs > 0 and bool((nc_np < state.prefill_len_np[idx_mapping_np]).any()):
-        _launch_prefill_inputs(buffers, idx_mapping, state, num_reqs)
-    if num_reqs > 0:
-        _launch_combine_sampled(buffers, idx_mapping, state, num_reqs)
 
     seq_lens_np = np.zeros(num_reqs_padded, dtype=np.int32)
     seq_lens_np[:num_reqs] = nc_np + num_scheduled_tokens_np
@@ -264,34 +229,16 @@ def _num_leading_decodes(num_scheduled_tokens_np: np.ndarray) -> int:
     return int(not_decode[0]) if not_decode.size else int(num_scheduled_tokens_np.shape[0])
 
 
-def _launch_pos_seq_lens(
-    buffers: InputBuffers, idx_mapping: torch.Tensor, state: RequestState, num_reqs: int
-) -> None:
-    num_computed = state.num_computed_tokens.gpu
-    assert idx_mapping.dtype == torch.int32 and num_computed.dtype == torch.int32
-    _prepare_pos_seq_lens_kernel[(num_reqs + 1,)](
-        buffers.positions, buffers.seq_lens, idx_mapping, buffers.query_start_loc,
-        num_computed, num_reqs, buffers.max_num_reqs, BLOCK=_BLOCK,
-    )  # fmt: skip
-
-
-def _launch_prefill_inputs(
+def _launch_prepare_inputs(
     buffers: InputBuffers, idx_mapping: torch.Tensor, state: RequestState, num_reqs: int
 ) -> None:
     all_token_ids = state.all_token_ids.gpu
+    assert idx_mapping.dtype == torch.int32 and state.num_computed_tokens.gpu.dtype == torch.int32
     assert all_token_ids.dtype == torch.int32 and all_token_ids.dim() == 2
-    _prepare_prefill_inputs_kernel[(num_reqs,)](
-        buffers.input_ids, all_token_ids, all_token_ids.stride(0), idx_mapping,
-        buffers.query_start_loc, state.num_computed_tokens.gpu, state.prefill_len.gpu,
-        BLOCK=_BLOCK,
-    )  # fmt: skip
-
-
-def _launch_combine_sampled(
-    buffers: InputBuffers, idx_mapping: torch.Tensor, state: RequestState, num_reqs: int
-) -> None:
     assert state.last_sampled_tokens.gpu.dtype == torch.int64
-    _combine_sampled_kernel[(num_reqs,)](
-        buffers.input_ids, buffers.logits_indices, idx_mapping, buffers.query_start_loc,
-        state.num_computed_tokens.gpu, state.prefill_len.gpu, state.last_sampled_tokens.gpu,
+    _prepare_inputs_kernel[(num_reqs + 1,)](
+        buffers.input_ids, buffers.positions, buffers.seq_lens, buffers.logits_indices,
+        idx_mapping, buffers.query_start_loc, state.num_computed_tokens.gpu,
+        state.prefill_len.gpu, state.last_sampled_tokens.gpu, all_token_ids,
+        all_token_ids.stride(0), num_reqs, buffers.max_num_reqs, BLOCK=_BLOCK,
     )  # fmt: skip

@@ -20,7 +20,7 @@ from runner_v2.async_output import AsyncModelRunnerOutput
 from runner_v2.block_tables import BlockTables
 from runner_v2.cudagraph import CudaGraphManager
 from runner_v2.input_batch import InputBatch, InputBuffers, gather_batch_req_state, prepare_inputs
-from runner_v2.post_update import compute_num_sampled, post_update
+from runner_v2.post_update import post_update
 from runner_v2.sample.sampler import Sampler
 from runner_v2.sample.states import SamplingStates
 from runner_v2.states import RequestState
@@ -121,9 +121,8 @@ class GPUModelRunner(RunnerSetupMixin):
             # Start the D2H copy now, on a side stream: it overlaps post_update below.
             async_output = self._make_async_output(batch, out, num_logprobs)
         with self.timer.stage("postprocess"):
-            num_sampled = compute_num_sampled(batch.idx_mapping, batch.seq_lens, n, self.req_states)
             post_update(
-                batch.idx_mapping, n, out.sampled_token_ids, num_sampled, batch.query_start_loc,
+                batch.idx_mapping, n, out.sampled_token_ids, batch.seq_lens, batch.query_start_loc,
                 self.req_states, self.sampling_states.output_bin_counts,
             )
             # The host mirror stays an upper bound of the device counter.
@@ -178,9 +177,9 @@ class GPUModelRunner(RunnerSetupMixin):
             req_ids, idx_mapping_np, num_scheduled, num_reqs_padded, num_tokens_padded,
             self.req_states, self.buffers,
         )
-        self._block_table = self.block_tables.gather_block_tables(batch.idx_mapping, num_reqs_padded)
-        self._slot_mapping = self.block_tables.compute_slot_mappings(
-            batch.idx_mapping, batch.query_start_loc, batch.positions, num_reqs, num_tokens_padded
+        self._block_table, self._slot_mapping = self.block_tables.prepare(
+            batch.idx_mapping, batch.query_start_loc, batch.positions, num_reqs_padded,
+            num_tokens_padded,
         )
         return batch, desc
 

@@ -1,7 +1,7 @@
 """post_update: fold a step's sampled tokens back into the state table, on the device.
 
 One kernel, one program per batch row: num_computed_tokens advances by the row's query
-length, and a row that sampled writes last_sampled_tokens, appends the token to
+length, and a row that sampled (its chunk reached the end of its prefill) writes last_sampled_tokens, appends the token to
 all_token_ids at total_len, bumps total_len and (for penalties) its output bin count.
 The CPU never learns the token ids here; they reach it later through the async output
 copy. Rows are distinct state rows (idx_mapping is injective), so one program per row
@@ -13,14 +13,15 @@ from __future__ import annotations
 import torch
 
 from runner_v2.states import RequestState
-from shared.triton_utils import next_power_of_2, tl, triton
+from shared.triton_utils import tl, triton
 
 
 @triton.jit
 def _post_update_kernel(
     idx_mapping_ptr,  # [num_reqs] int32
     sampled_ptr,  # [>= num_reqs] int64
-    num_sampled_ptr,  # [>= num_reqs] int32: 0 (partial prefill chunk) or 1
+    seq_lens_ptr,  # [>= num_reqs] int32: num_computed + query_len (after this step)
+    prefill_len_ptr,  # [max_num_reqs] int32
     query_start_loc_ptr,  # [num_reqs + 1] int32
     num_computed_ptr,  # [max_num_reqs] int32
     last_sampled_ptr,  # [max_num_reqs] int64
@@ -37,7 +38,9 @@ def _post_update_kernel(
     query_len = tl.load(query_start_loc_ptr + b + 1) - tl.load(query_start_loc_ptr + b)
     num_computed = tl.load(num_computed_ptr + row)
     tl.store(num_computed_ptr + row, num_computed + query_len)
-    if tl.load(num_sampled_ptr + b) > 0:
+    # A row samples iff this step's chunk reaches the end of its prefill (the last
+    # prefill chunk, or any decode); a partial prefill chunk samples nothing.
+    if tl.load(seq_lens_ptr + b) >= tl.load(prefill_len_ptr + row):
         tok = tl.load(sampled_ptr + b)
         tl.store(last_sampled_ptr + row, tok)
         total_len = tl.load(total_len_ptr + row)
@@ -58,7 +61,7 @@ def post_update(
     idx_mapping: torch.Tensor,
     num_reqs: int,
     sampled_token_ids: torch.Tensor,
-    num_sampled: torch.Tensor,
+    seq_lens: torch.Tensor,
     query_start_loc: torch.Tensor,
     state: RequestState,
     output_bin_counts: torch.Tensor | None = None,
@@ -66,14 +69,15 @@ def post_update(
     """Advance the state of the step's `num_reqs` rows (see module docstring).
 
     sampled_token_ids: int64 [N] (or [N, 1]), N >= num_reqs, batch order.
-    num_sampled: int32 [N], 0 for a row still chunk-prefilling, else 1.
+    seq_lens: int32 [N], the step's device seq_lens (InputBatch.seq_lens), batch order: a
+    row whose seq_len is short of its prefill_len is still chunk-prefilling (no token).
     output_bin_counts: int32 [max_num_reqs, vocab_size] by state row, or None.
     """
     if num_reqs == 0:
         return
     sampled = sampled_token_ids.reshape(-1)
     assert sampled.dtype == torch.int64 and sampled.shape[0] >= num_reqs
-    assert num_sampled.dtype == torch.int32 and num_sampled.shape[0] >= num_reqs
+    assert seq_lens.dtype == torch.int32 and seq_lens.shape[0] >= num_reqs
     assert idx_mapping.dtype == torch.int32 and idx_mapping.shape[0] >= num_reqs
     assert query_start_loc.dtype == torch.int32 and query_start_loc.shape[0] >= num_reqs + 1
     all_token_ids = state.all_token_ids.gpu
@@ -84,46 +88,10 @@ def post_update(
         assert output_bin_counts.stride(1) == 1
     bins = output_bin_counts if has_bins else state.num_computed_tokens.gpu  # dummy pointer
     _post_update_kernel[(num_reqs,)](
-        idx_mapping, sampled, num_sampled, query_start_loc, state.num_computed_tokens.gpu,
+        idx_mapping, sampled, seq_lens, state.prefill_len.gpu, query_start_loc,
+        state.num_computed_tokens.gpu,
         state.last_sampled_tokens.gpu, state.total_len.gpu, all_token_ids,
         all_token_ids.stride(0), state.max_model_len, bins,
         bins.stride(0) if has_bins else 0, HAS_BIN_COUNTS=has_bins,
         num_warps=1,
     )  # fmt: skip
-
-
-@triton.jit
-def _num_sampled_kernel(
-    out_ptr,  # [num_reqs] int32
-    idx_mapping_ptr,  # [num_reqs] int32
-    seq_lens_ptr,  # [>= num_reqs] int32: num_computed + query_len (after this step)
-    prefill_len_ptr,  # [max_num_reqs] int32
-    num_reqs,
-    BLOCK: tl.constexpr,
-):
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < num_reqs
-    rows = tl.load(idx_mapping_ptr + offs, mask=mask, other=0)
-    seq_lens = tl.load(seq_lens_ptr + offs, mask=mask, other=0)
-    prefill_len = tl.load(prefill_len_ptr + rows, mask=mask, other=0)
-    # A row samples iff this step's chunk reaches the end of its prefill (the last
-    # prefill chunk, or any decode); a partial prefill chunk samples nothing.
-    tl.store(out_ptr + offs, (seq_lens >= prefill_len).to(tl.int32), mask=mask)
-
-
-def compute_num_sampled(
-    idx_mapping: torch.Tensor, seq_lens: torch.Tensor, num_reqs: int, state: RequestState
-) -> torch.Tensor:
-    """int32 [num_reqs] on the device: 1 where the row samples this step, else 0.
-
-    seq_lens: the step's device seq_lens (InputBatch.seq_lens), batch order."""
-    assert idx_mapping.dtype == torch.int32 and idx_mapping.shape[0] >= num_reqs
-    assert seq_lens.dtype == torch.int32 and seq_lens.shape[0] >= num_reqs
-    out = torch.empty(num_reqs, dtype=torch.int32, device=seq_lens.device)
-    if num_reqs == 0:
-        return out
-    block = min(1024, max(128, next_power_of_2(num_reqs)))
-    _num_sampled_kernel[(triton.cdiv(num_reqs, block),)](
-        out, idx_mapping, seq_lens, state.prefill_len.gpu, num_reqs, BLOCK=block
-    )
-    return out

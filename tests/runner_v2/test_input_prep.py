@@ -139,33 +139,34 @@ def test_mixed_batch_matches_numpy(mixed):
     assert batch.idx_mapping.tolist() == idx_np.tolist()
 
 
-def test_uniform_decode_batch_skips_prefill_kernel(mixed, monkeypatch):
+def test_one_launch_per_step_decode_and_mixed(mixed, monkeypatch):
     s, _ = mixed
     launched = []
-    real = ib._prepare_prefill_inputs_kernel
+    real = ib._prepare_inputs_kernel
 
     class _Spy:
         def __getitem__(self, grid):
             launched.append(grid)
             return real[grid]
 
-    monkeypatch.setattr(ib, "_prepare_prefill_inputs_kernel", _Spy())
+    monkeypatch.setattr(ib, "_prepare_inputs_kernel", _Spy())
     nst = {"dec_b": 1, "dec_a": 1}
     req_ids, idx_np, q = gather_batch_req_state(nst, s.state)
     assert req_ids == ["dec_b", "dec_a"]  # stable among equal keys
     _poison(s.buffers)
     batch = prepare_inputs(req_ids, idx_np, q, 4, 4, s.state, s.buffers)
-    assert launched == []
+    assert launched == [(3,)]  # one program per row + the padded-tail program
     assert batch.is_uniform_decode and batch.num_decodes == 2
     assert batch.input_ids[:2].tolist() == [777, 555]
     assert batch.positions[:2].tolist() == [6, 9]
     assert batch.seq_lens.tolist() == [7, 10, 0, 0]
     assert batch.query_start_loc.tolist() == [0, 1, 2, 2, 2]
-    # And a batch with a prefilling row does launch it.
+    assert batch.logits_indices.tolist() == [0, 1]
+    # A batch with a prefilling row is still one launch.
     nst = {"dec_b": 1, "fresh": 7}
     req_ids, idx_np, q = gather_batch_req_state(nst, s.state)
     prepare_inputs(req_ids, idx_np, q, 2, 8, s.state, s.buffers)
-    assert launched == [(2,)]
+    assert launched == [(3,), (3,)]
 
 
 def test_buffers_keep_their_addresses(mixed):

@@ -1,4 +1,4 @@
-"""post_update and compute_num_sampled vs a NumPy model of the state table."""
+"""post_update vs a NumPy model of the state table."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from runner_v2.post_update import compute_num_sampled, post_update
+from runner_v2.post_update import post_update
 from runner_v2.states import RequestState
 
 R, MAX_LEN, T, V = 6, 48, 64, 50
@@ -53,13 +53,10 @@ def test_post_update_matches_numpy_model(device):
         qsl = np.concatenate([[0], np.cumsum(q)]).astype(np.int32)
         before = _snapshot(state)
         bins_before = bins.cpu().numpy().copy()
-        seq_lens = before["nc"][idx] + q
-        num_sampled = compute_num_sampled(dev(idx), dev(seq_lens.astype(np.int32)), len(idx), state)
-        prefill_len = state.prefill_len_np[idx]
-        expected_ns = (seq_lens >= prefill_len).astype(np.int32)
-        np.testing.assert_array_equal(num_sampled.cpu().numpy(), expected_ns)
+        seq_lens = (before["nc"][idx] + q).astype(np.int32)
+        expected_ns = seq_lens >= state.prefill_len_np[idx]  # a partial chunk samples nothing
         sampled = dev(rng.integers(0, V, (len(idx), 1)))  # [N, 1] accepted
-        post_update(dev(idx), len(idx), sampled, num_sampled, dev(qsl), state, bins)
+        post_update(dev(idx), len(idx), sampled, dev(seq_lens), dev(qsl), state, bins)
 
         # NumPy model.
         exp = {k: v.copy() for k, v in before.items()}
@@ -88,9 +85,9 @@ def test_post_update_without_bin_counts_and_padded_inputs():
     idx = torch.tensor([state.req_id_to_index["y"]], dtype=torch.int32)
     qsl = torch.tensor([0, 2, 2, 2], dtype=torch.int32)  # padded tail repeats
     sampled = torch.tensor([41, 99, 99], dtype=torch.int64)  # N > num_reqs
-    num_sampled = torch.tensor([1, 1, 1], dtype=torch.int32)
+    seq_lens = torch.tensor([2, 0, 0], dtype=torch.int32)  # padded rows: seq_len 0
     before = _snapshot(state)
-    post_update(idx, 1, sampled, num_sampled, qsl, state, None)
+    post_update(idx, 1, sampled, seq_lens, qsl, state, None)
     after = _snapshot(state)
     ry, rx = state.req_id_to_index["y"], state.req_id_to_index["x"]
     assert after["nc"][ry] == 2 and after["total"][ry] == 3 and after["last"][ry] == 41

@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from runner_v2.block_tables import BlockTables
-from runner_v2.post_update import compute_num_sampled, post_update
+from runner_v2.post_update import post_update
 from runner_v2.states import RequestState
 
 R, MAX_LEN, T, V, BS = 4, 24, 64, 100, 4
@@ -125,10 +125,9 @@ class StateMachine(RuleBasedStateMachine):
         qsl = torch.from_numpy(np.concatenate([[0], np.cumsum(q)]).astype(np.int32))
         seq_lens = np.array([self.live[r].num_computed for r in ids], dtype=np.int32) + q
         idx_t = torch.from_numpy(idx)
-        num_sampled = compute_num_sampled(idx_t, torch.from_numpy(seq_lens), len(ids), self.state)
         toks = data.draw(st.lists(st.integers(0, V - 1), min_size=len(ids), max_size=len(ids)))
-        post_update(idx_t, len(ids), torch.tensor(toks, dtype=torch.int64), num_sampled, qsl,
-                    self.state)  # fmt: skip
+        post_update(idx_t, len(ids), torch.tensor(toks, dtype=torch.int64),
+                    torch.from_numpy(seq_lens), qsl, self.state)  # fmt: skip
         for b, r in enumerate(ids):
             req = self.live[r]
             req.num_computed += int(q[b])
