@@ -7,6 +7,10 @@ token budget and max_num_seqs; the fake runner's KV check proves no block is ove
 while in use and every prefix hit holds the right tokens. Every request that stops or runs
 out of length must produce exactly the oracle's tokens (preempted or not), every abort is
 reported once, and when everything has ended every block is free.
+
+AsyncSchedulerMachine plays the same rules with async scheduling: each step schedules
+and executes step N+1 before the update of step N, so requests carry in-flight
+placeholders; the same oracle must hold.
 """
 
 from __future__ import annotations
@@ -38,16 +42,23 @@ request_specs = st.fixed_dictionaries({
 })
 
 
+SETUP = dict(
+    block_size=st.sampled_from([2, 4]),
+    extra_blocks=st.integers(0, 2),
+    budget=st.integers(1, 24),
+    max_num_seqs=st.integers(1, 4),
+    prefix_caching=st.booleans(),
+    chunked=st.booleans(),
+)
+
+
 class SchedulerMachine(RuleBasedStateMachine):
-    @initialize(
-        block_size=st.sampled_from([2, 4]),
-        extra_blocks=st.integers(0, 2),
-        budget=st.integers(1, 24),
-        max_num_seqs=st.integers(1, 4),
-        prefix_caching=st.booleans(),
-        chunked=st.booleans(),
-    )
+    @initialize(**SETUP)
     def setup(self, block_size, extra_blocks, budget, max_num_seqs, prefix_caching, chunked):
+        self._setup(block_size, extra_blocks, budget, max_num_seqs, prefix_caching, chunked)
+
+    def _setup(self, block_size, extra_blocks, budget, max_num_seqs, prefix_caching, chunked,
+               async_scheduling=False):
         self.max_model_len = 24
         # Any single request fits the pool alone (the engine's admission rule).
         num_blocks = self.max_model_len // block_size + extra_blocks
@@ -58,7 +69,9 @@ class SchedulerMachine(RuleBasedStateMachine):
             max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
             max_model_len=self.max_model_len, num_blocks=num_blocks, block_size=block_size,
             enable_prefix_caching=prefix_caching, enable_chunked_prefill=chunked,
+            async_scheduling=async_scheduling,
         )
+        self.pending = None  # async scheduling: the step executed but not yet updated
         self.runner = FakeRunner(num_blocks, block_size, self.max_model_len, hash_token_fn(VOCAB))
         self.arrivals = 0
         self.reported: dict[Request, list[int]] = {}  # tokens seen through RequestUpdates
@@ -102,7 +115,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.abort([req_id])
         self.add(req_id, spec)
 
-    @precondition(lambda self: self.sched.has_unfinished_requests() or self.sched.has_finished_requests())
+    @precondition(lambda self: self._has_work())
     @rule()
     def step(self):
         self._step()
@@ -114,12 +127,31 @@ class SchedulerMachine(RuleBasedStateMachine):
         self._step(lambda: self.abort_and_resubmit(req_id, resubmit) if resubmit
                    else self.abort([req_id]))
 
+    def _has_work(self) -> bool:
+        sched = self.sched
+        return (sched.has_unfinished_requests() or sched.has_finished_requests()
+                or self.pending is not None)
+
     def _step(self, between=None):
         so = self.sched.schedule()
         self._check_step(so)
         out = self.runner.execute(so)
         if between is not None:
             between()
+        if not self.sched.async_scheduling:
+            self._update(so, out)
+            return
+        # LLMEngine.step's order: step N+1 is out before step N's tokens are read back,
+        # and a zero-token step is settled at once rather than kept in flight.
+        pending, self.pending = self.pending, None
+        if pending is not None:
+            self._update(*pending)
+        if so.total_num_scheduled_tokens == 0:
+            self._update(so, out)
+        else:
+            self.pending = (so, out)
+
+    def _update(self, so, out):
         for update in self.sched.update_from_output(so, out):
             self._check_update(update)
 
@@ -141,7 +173,11 @@ class SchedulerMachine(RuleBasedStateMachine):
             # num_computed_tokens was advanced by schedule(); a decode (1 token left) gets 1.
             request = self.sched.requests[req_id]
             before = request.num_computed_tokens - n
-            assert 0 < n <= request.num_tokens - before
+            # In flight (async): the runner knows those tokens; the fake runner checks
+            # exactly that every scheduled position holds a token it knows.
+            known = request.num_tokens + (
+                request.num_output_placeholders if self.sched.async_scheduling else 0)
+            assert 0 < n <= known - before
             assert request.num_computed_tokens <= self.max_model_len
             if before > 0 and req_id not in new_ids and n < request.num_tokens - before:
                 event("partial chunk continued")
@@ -149,6 +185,11 @@ class SchedulerMachine(RuleBasedStateMachine):
                 event("partial prefill chunk")
         if so.preempted_req_ids:
             event("preemption")
+            if any(self.sched.requests[r].num_output_placeholders for r in so.preempted_req_ids):
+                event("preempted with a token in flight")
+        # At most one step in flight plus the one just scheduled (0 without async).
+        limit = 2 if self.sched.async_scheduling else 1
+        assert all(r.num_output_placeholders <= limit for r in self.sched.requests.values())
         if any(n.num_computed_tokens > 0 for n in so.scheduled_new_reqs):
             event("prefix-cache hit")
         if any(n.prompt_len < n.prefill_len for n in so.scheduled_new_reqs):
@@ -186,7 +227,10 @@ class SchedulerMachine(RuleBasedStateMachine):
         kv, sched = self.sched.kv_cache_manager, self.sched
         owners: dict[int, list[tuple[Request, int]]] = {}
         for request in sched.requests.values():
-            assert request.num_computed_tokens <= request.num_tokens
+            assert request.num_computed_tokens <= (
+                request.num_tokens + request.num_output_placeholders)
+            # between steps: only the step in flight (async) holds placeholders
+            assert 0 <= request.num_output_placeholders <= (self.pending is not None)
             if request.status != RequestStatus.RUNNING:
                 assert request.block_ids == [] and request.num_computed_tokens == 0
             assert len(request.block_ids) * kv.block_size >= request.num_computed_tokens
@@ -211,7 +255,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         if not hasattr(self, "sched"):
             return
         for _ in range(1000):
-            if not (self.sched.has_unfinished_requests() or self.sched.has_finished_requests()):
+            if not self._has_work():
                 break
             self._step()
         else:
@@ -219,6 +263,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         assert self.sched.num_free_blocks == self.sched.num_total_blocks
         assert not self.runner.states  # the runner was told about every finish
         assert set(self.reported) == self.finish_reported  # every request reported its end
+        assert all(r.num_output_placeholders == 0 for r in self.reported)
 
 
 SchedulerMachine.TestCase.settings = settings(
@@ -226,3 +271,14 @@ SchedulerMachine.TestCase.settings = settings(
     suppress_health_check=[HealthCheck.too_slow],
 )
 TestSchedulerMachine = SchedulerMachine.TestCase
+
+
+class AsyncSchedulerMachine(SchedulerMachine):
+    @initialize(**SETUP)
+    def setup(self, block_size, extra_blocks, budget, max_num_seqs, prefix_caching, chunked):
+        self._setup(block_size, extra_blocks, budget, max_num_seqs, prefix_caching, chunked,
+                    async_scheduling=True)
+
+
+AsyncSchedulerMachine.TestCase.settings = SchedulerMachine.TestCase.settings
+TestAsyncSchedulerMachine = AsyncSchedulerMachine.TestCase
