@@ -104,7 +104,9 @@ def main() -> int:
     report = {"gpu": torch.cuda.get_device_name(), "command": " ".join(sys.argv), "runners": {}}
     for name in args.runners.split(","):
         engine = _build(args.model, name.rstrip("a"), name.endswith("a"))
-        _run(engine, prompts[:16], [8] * 16, "warm")
+        # warm-up: enough prompt lengths and batch sizes that the timed run compiles no
+        # Triton specialisation of its own
+        _run(engine, prompts[:64], [32] * 64, "warm")
         plain = _run(engine, prompts, max_tokens, "plain")
         timer = PhaseTimer(engine)
         phased = _run(engine, prompts, max_tokens, "phase", timer.step)
