@@ -27,6 +27,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from shared.bench.measure import measure_read_bandwidth  # noqa: E402
 from shared.triton_utils import tl, triton  # noqa: E402  (sets up the interpreter on CPU)
 
 # (name, out_features N, in_features K) of one llama-3-8b decoder layer, and its LM head
@@ -100,12 +101,6 @@ def graph_time_ms(fn, reps: int = 30, calls: int = 20) -> float:
     return statistics.median(times)
 
 
-def read_bandwidth_gbps() -> float:
-    x = torch.empty(2**30, dtype=torch.float32, device="cuda").uniform_()
-    ms = graph_time_ms(lambda: x.sum(), reps=20, calls=5)
-    return x.numel() * 4 / ms / 1e6
-
-
 def bench_shape(name: str, n: int, k: int, batch: int, bw: float) -> dict:
     gen = torch.Generator(device="cuda").manual_seed(0)
     w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16, generator=gen) * 0.02
@@ -156,7 +151,7 @@ def main() -> int:
     if args.check or not torch.cuda.is_available():
         check_on_cpu()
         return 0
-    bw = read_bandwidth_gbps()
+    bw = measure_read_bandwidth(torch.device("cuda")) / 1e9
     print(f"GPU {torch.cuda.get_device_name()}: read bandwidth {bw:.0f} GB/s", flush=True)
     rows = [bench_shape(name, n, k, args.batch, bw) for name, n, k in SHAPES]
     report = {"command": "python3 scripts/bench_gemv.py " + " ".join(sys.argv[1:]),
