@@ -2,7 +2,7 @@
 # The GPU machine's one entry point: install what the image lacks from carried wheels,
 # run the gpu-marked tests, run the benchmarks, write everything under $OUT.
 #
-#   scripts/gpu_check.sh [tests|attention|decode|ab|ab_async|hf|all]...
+#   scripts/gpu_check.sh [tests|attention|decode|ab|ab_async|gemv|hf|all]...
 #
 # Run through the device tool from the repository root, carrying `.whl`:
 #   python3 -m pip download ... -d .whl pydantic==2.14.4 pydantic-core==2.50.5 \
@@ -49,6 +49,9 @@ if want ab_async; then
   python3 -m shared.cli ab --model qwen3-0.6b --load-format dummy --dtype bfloat16 --device cuda \
     --workloads decode,churn,throughput --async-scheduling --output-dir "$OUT/ab_async" 2>&1 \
     | grep -v "^INFO" | tee "$OUT/ab_async.log"
+fi
+if want gemv; then
+  python3 scripts/bench_gemv.py --out "$OUT/gemv.json" 2>&1 | tee "$OUT/gemv.log"
 fi
 if want hf; then
   python3 scripts/hf_throughput.py --model qwen3-0.6b --device cuda --out "$OUT/hf_throughput.json" \
