@@ -38,11 +38,13 @@ class PairReport:
 
 def compare_runs(
     a: str, runs_a: dict[str, RequestRecord], b: str, runs_b: dict[str, RequestRecord],
-    tol: float, reference: bool,
+    tol: float, reference: bool, in_flight: bool = False,
 ) -> PairReport:
     """Compare two runs request by request. reference=False: both are runners and must
     match exactly over the union of labels. reference=True: `b` (hf or solo) checks each
-    of its labels over the tokens `a` produced."""
+    of its labels over the tokens `a` produced. in_flight=True (one side ran with async
+    scheduling): a request aborted on both sides may lack, on one side, the one token
+    that was in flight when the abort came."""
     labels = sorted(runs_b) if reference else sorted(set(runs_a) | set(runs_b))
     report = PairReport(a, b, True, None, None, tol, 0)
     for label in labels:
@@ -51,19 +53,24 @@ def compare_runs(
             _diverge(report, label, 0, f"request missing from {a if ra is None else b}", True)
             continue
         report.requests_compared += 1
-        n, token_problem = _compare_tokens(ra, rb, reference)
+        n, token_problem = _compare_tokens(ra, rb, reference, in_flight)
         if token_problem is not None:
             _diverge(report, label, token_problem[0], token_problem[1], True)
         _compare_logprobs(report, label, ra, rb, n, strict_keys=b != "hf")
     return report
 
 
-def _compare_tokens(ra: RequestRecord, rb: RequestRecord, reference: bool):
+def _compare_tokens(ra: RequestRecord, rb: RequestRecord, reference: bool,
+                    in_flight: bool = False):
     """-> (positions compared, None | (position, what differs))."""
     ta, tb = ra.token_ids, rb.token_ids
     prefix = reference and (rb.finish_reason is None or ra.finish_reason == "abort")
     if prefix:
         tb = tb[: len(ta)]  # a reference that ran on must agree over what `a` produced
+    both_aborted = ra.finish_reason == rb.finish_reason == "abort"
+    if in_flight and both_aborted and abs(len(ta) - len(tb)) <= 1:
+        n = min(len(ta), len(tb))
+        ta, tb = ta[:n], tb[:n]  # the in-flight token is dropped by the abort
     for i, (x, y) in enumerate(zip(ta, tb)):
         if x != y:
             return i, (i, f"token {x} vs {y}")

@@ -1,15 +1,17 @@
 """`runnerlab diff`: the scenario library through V1, V2, Hugging Face and a solo run.
 
     runnerlab diff [--model M] [--dtype float64] [--device cpu|cuda] [--scenarios a,b]
-                   [--seeds 0,1] [--engines v1,v2,hf,solo] [--quick] [--json]
+                   [--seeds 0,1] [--engines v1,v2,v2-async,hf,solo] [--quick] [--json]
 
-Engines: `v1`, `v2` (the runners, forced by argument), `hf` (transformers greedy on the
+Engines: `v1`, `v2` (the runners, forced by argument), `v2-async` (V2 with the engine's
+async scheduling: step N+1 launched before step N's tokens are read back), `hf` (transformers greedy on the
 same weights; greedy scenarios of a supported model only) and `solo` (each request
 alone through the first listed runner; scenarios that declare a solo reference). A
 random-weight preset is materialised as a seeded HF checkpoint (one per seed) whenever
 `hf` is asked for, and every engine then runs on that directory.
 
-Pairs: every two runners compare exactly (tokens, finish reasons, logprob dicts); a
+Pairs: every two runners compare exactly (tokens, finish reasons, logprob dicts; against
+`v2-async`, an aborted request may lack the one token that was in flight); a
 runner against `hf` or `solo` compares each reference request over the runner's tokens
 (an aborted request's prefix; `hf` only where the request is plain greedy).
 
@@ -39,7 +41,7 @@ from shared.bench.compare import PairReport, compare_runs
 from shared.bench.scenario_run import RequestRecord, ScenarioRun, run_scenario, run_solo
 from shared.bench.scenarios import QUICK_SCENARIOS, SCENARIOS, Scenario, build_scenario
 
-RUNNERS = ("v1", "v2")
+RUNNERS = ("v1", "v2", "v2-async")
 ENGINES = (*RUNNERS, "hf", "solo")
 DEFAULT_ENGINES = "v1,v2,hf,solo"
 # |logprob| tolerance between runners (and a runner and its solo run): both share the
@@ -92,9 +94,10 @@ def build_engine(setup: DiffSetup, runner: str, engine_kwargs: dict[str, Any]):
     from policy import EngineArgs
     from shared.engine import LLMEngine
 
+    runner, _, mode = runner.partition("-")  # "v2-async": V2 with async scheduling
     return LLMEngine.from_engine_args(EngineArgs(
         model=setup.model_path, dtype=setup.dtype, device=setup.device, seed=setup.seed,
-        model_runner=runner, **engine_kwargs,
+        model_runner=runner, async_scheduling=mode == "async", **engine_kwargs,
     ))
 
 
@@ -165,7 +168,8 @@ def _pairs(setup: DiffSetup, runs: dict[str, ScenarioRun], runners: list[str]):
     for i, a in enumerate(runners):
         for b in runners[i + 1:]:
             pairs.append(compare_runs(a, runs[a].requests, b, runs[b].requests,
-                                      setup.logprob_tol, reference=False))
+                                      setup.logprob_tol, reference=False,
+                                      in_flight=a.endswith("async") or b.endswith("async")))
     for ref in ("hf", "solo"):
         if ref in runs:
             tol = setup.hf_logprob_tol if ref == "hf" else setup.logprob_tol
@@ -280,7 +284,8 @@ def diff_main(argv: list[str]) -> int:
         return int(exc.code or 0)
     scenarios = args.scenarios or list(QUICK_SCENARIOS if args.quick else SCENARIOS)
     if not any(e in RUNNERS for e in args.engines):
-        print("runnerlab diff: error: --engines needs v1 or v2 (hf and solo are references)",
+        print("runnerlab diff: error: --engines needs v1, v2 or v2-async (hf and solo are "
+              "references)",
               file=sys.stderr)
         return 2
     if args.device == "cuda":
@@ -326,7 +331,7 @@ def _document(args: argparse.Namespace, reports: list[ScenarioReport], wall_s: f
 def _print_table(doc: dict) -> None:
     print(f"runnerlab diff: model {doc['model']}, {doc['dtype']} on {doc['device']}, "
           f"seeds {','.join(map(str, doc['seeds']))}")
-    print(f"{'scenario':<22} {'seed':>4}  {'pair':<9} {'identical':<9} "
+    print(f"{'scenario':<22} {'seed':>4}  {'pair':<16} {'identical':<9} "
           f"{'first divergence':<22} {'max |dlogprob|':>14}")
     for s in doc["scenarios"]:
         for p in s["pairs"]:
@@ -335,7 +340,7 @@ def _print_table(doc: dict) -> None:
             lp = p["max_logprob_diff"]
             lp_text = "-" if lp is None else f"{lp:.2e}"
             flag = "" if p["agrees"] else f"  <-- {p['detail']}"
-            print(f"{s['name']:<22} {s['seed']:>4}  {p['a'] + '-' + p['b']:<9} "
+            print(f"{s['name']:<22} {s['seed']:>4}  {p['a'] + '-' + p['b']:<16} "
                   f"{'yes' if p['identical'] else 'NO':<9} {where:<22} {lp_text:>14}{flag}")
         notes = [f"skipped {k}: {v}" for k, v in s["skipped"].items()]
         notes += [f"MISSING EVENT {e}" for e in s["missing_events"]]

@@ -122,6 +122,24 @@ def test_reference_pair_compares_aborted_requests_by_prefix():
     assert compare_runs("v1", batch, "solo", solo, 1e-9, reference=True).first_divergence.position == 1
 
 
+def test_async_pair_allows_only_the_in_flight_token_of_an_abort():
+    sync = {"x": rec([1, 2, 3], "abort"), "y": rec([4, 5])}
+    late = {"x": rec([1, 2], "abort"), "y": rec([4, 5])}
+    assert compare_runs("v1", sync, "v2-async", late, 1e-9, False, in_flight=True).agrees
+    assert not compare_runs("v1", sync, "v2", late, 1e-9, False).agrees  # sync pairs: exact
+    late["x"] = rec([1], "abort")  # two tokens short: more than the one in flight
+    assert not compare_runs("v1", sync, "v2-async", late, 1e-9, False, in_flight=True).agrees
+    late["x"], late["y"] = rec([1, 2], "abort"), rec([4])  # y ended on its own: exact
+    assert not compare_runs("v1", sync, "v2-async", late, 1e-9, False, in_flight=True).agrees
+
+
+def test_quick_diff_with_async_v2_agrees(capsys):
+    assert cli_main(["diff", "--quick", "--engines", "v1,v2-async", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["all_agree"] and doc["engines"] == ["v1", "v2-async"]
+    assert all(s["engines"] == ["v1", "v2-async"] for s in doc["scenarios"])
+
+
 def test_logprob_tolerance_and_top_ids():
     a = {"x": rec([5], logprobs=[{5: -1.0, 7: -2.0}])}
     b = {"x": rec([5], logprobs=[{5: -1.0 + 1e-6, 7: -2.0}])}
