@@ -95,9 +95,12 @@ def build_engine(setup: DiffSetup, runner: str, engine_kwargs: dict[str, Any]):
     from shared.engine import LLMEngine
 
     runner, _, mode = runner.partition("-")  # "v2-async": V2 with async scheduling
+    kwargs = dict(engine_kwargs)
+    if mode == "async":
+        kwargs["async_scheduling"] = True
     return LLMEngine.from_engine_args(EngineArgs(
         model=setup.model_path, dtype=setup.dtype, device=setup.device, seed=setup.seed,
-        model_runner=runner, async_scheduling=mode == "async", **engine_kwargs,
+        model_runner=runner, **kwargs,
     ))
 
 
