@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import shlex
-import statistics
 import sys
 from pathlib import Path
 
@@ -32,38 +31,12 @@ from shared.attention.kv_write_triton import write_kv_triton  # noqa: E402
 from shared.attention.metadata import CommonAttentionMetadata  # noqa: E402
 from shared.attention.torch_backend import TorchBackend  # noqa: E402
 from shared.attention.triton_backend import TritonBackend  # noqa: E402
+from shared.bench.measure import cuda_time_ms, graph_time_ms  # noqa: E402
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16
 DTYPE = torch.bfloat16
 DEVICE = torch.device("cuda")
 DECODE_TARGET = 0.70  # fraction of read bandwidth the batch-256 decode should reach
-
-
-def cuda_time_ms(fn, reps: int, warmup: int = 5) -> float:
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
-
-
-def graph_time_ms(fn, reps: int, calls: int = 10) -> float:
-    """Per-call time of `fn` replayed from a CUDA graph of `calls` back-to-back calls,
-    so CPU launch cost (decisive at batch 1) is excluded, as under the runners' graphs."""
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
-    return cuda_time_ms(graph.replay, reps) / calls
 
 
 def hbm_read_bandwidth(gib: float, reps: int) -> dict:

@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import statistics
 import sys
 from pathlib import Path
 
@@ -27,7 +26,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from shared.bench.measure import measure_read_bandwidth  # noqa: E402
+from shared.bench.measure import graph_time_ms, measure_read_bandwidth  # noqa: E402
 from shared.triton_utils import tl, triton  # noqa: E402  (sets up the interpreter on CPU)
 
 # (name, out_features N, in_features K) of one llama-3-8b decoder layer, and its LM head
@@ -39,6 +38,7 @@ BLOCK_N = (4, 8, 16)
 BLOCK_K = (256, 512, 1024)
 WARPS = (4, 8)
 STAGES = (2, 3, 4)
+REPS, CALLS = 30, 20  # timed graph replays, GEMV calls per graph
 
 
 @triton.jit
@@ -83,31 +83,13 @@ def triton_gemv(x: torch.Tensor, w: torch.Tensor, block_n: int, block_k: int,
     return y
 
 
-def graph_time_ms(fn, reps: int = 30, calls: int = 20) -> float:
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / calls)
-    return statistics.median(times)
-
-
 def bench_shape(name: str, n: int, k: int, batch: int, bw: float) -> dict:
     gen = torch.Generator(device="cuda").manual_seed(0)
     w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16, generator=gen) * 0.02
     x = torch.randn(batch, k, device="cuda", dtype=torch.bfloat16, generator=gen)
     ref = F.linear(x, w)
     weight_bytes = w.numel() * w.element_size()
-    cublas_ms = graph_time_ms(lambda: F.linear(x, w))
+    cublas_ms = graph_time_ms(lambda: F.linear(x, w), REPS, CALLS)
     best = None
     for bn, bk, warps, stages in itertools.product(BLOCK_N, BLOCK_K, WARPS, STAGES):
         out = triton_gemv(x, w, bn, bk, warps, stages)
@@ -115,7 +97,7 @@ def bench_shape(name: str, n: int, k: int, batch: int, bw: float) -> dict:
         if err > 5e-2:  # bf16 output of a K-long fp32 sum: a few bf16 ulps
             raise AssertionError(f"{name} BLOCK_N={bn} BLOCK_K={bk}: differs by {err}")
         ms = graph_time_ms(lambda bn=bn, bk=bk, warps=warps, stages=stages:
-                           triton_gemv(x, w, bn, bk, warps, stages))
+                           triton_gemv(x, w, bn, bk, warps, stages), REPS, CALLS)
         if best is None or ms < best["time_ms"]:
             best = {"block_n": bn, "block_k": bk, "num_warps": warps, "num_stages": stages,
                     "time_ms": ms, "max_abs_err": err}

@@ -18,6 +18,35 @@ from shared.sampling_params import SamplingParams
 from shared.step_timing import STAGES
 
 
+def cuda_time_ms(fn, reps: int, warmup: int = 5) -> float:
+    """Median CUDA-event time of `fn` in ms, after `warmup` untimed calls."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return float(np.median(times))
+
+
+def graph_time_ms(fn, reps: int, calls: int = 10) -> float:
+    """Per-call time of `fn` replayed from a CUDA graph of `calls` back-to-back calls,
+    so CPU launch cost (decisive for small kernels) is excluded, as under the runners'
+    graphs."""
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    return cuda_time_ms(graph.replay, reps) / calls
+
+
 def measure_read_bandwidth(device: torch.device, gib: float = 4.0, reps: int = 20) -> float:
     """HBM read bandwidth in bytes/s: a sum over a buffer several times the L2 cache."""
     if device.type != "cuda":
