@@ -332,7 +332,3 @@ class InputBatch:
             self._sampling_metadata = make_sampling_metadata(self)
         self._sampling_metadata.min_tokens_stop_ids = compute_min_tokens_stop_ids(self)
         return self._sampling_metadata
-
-    def compute_min_tokens_stop_ids(self) -> dict[int, list[int]]:
-        """See runner_v1.sampling_metadata_builder.compute_min_tokens_stop_ids."""
-        return compute_min_tokens_stop_ids(self)
