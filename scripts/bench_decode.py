@@ -20,14 +20,20 @@ import torch
 
 from shared.bench.measure import measure_read_bandwidth, run_decode
 from shared.engine import LLMEngine
+from shared.model import gemv
+
+LLAMA_RUNNERS = ("v1-cublas", "v1", "v2", "v2-async")
 
 
 def make_engine(model: str, runner: str, eager: bool, max_num_seqs: int, sizes: list[int],
                 max_model_len: int, blocks: int) -> LLMEngine:
-    """runner: "v1", "v2", or "v2-async" (V2 with the engine's async scheduling)."""
+    """runner: "v1", "v2", or "v2-async" (V2 with the engine's async scheduling); a
+    "-cublas" suffix turns the batch-1 fused GEMV path off (cuBLAS + separate kernels),
+    for the engine's graph capture and every step after it."""
     from policy import EngineArgs
 
     runner, _, mode = runner.partition("-")
+    gemv.ENABLED = mode != "cublas"
     args = EngineArgs(
         async_scheduling=mode == "async",
         model=model, load_format="dummy", dtype="bfloat16", device="cuda", seed=0,
@@ -50,7 +56,7 @@ def llama_batch1(bw: float, steps: int) -> dict:
     tokens = {}
     # v2-async: the step loop overlaps the host's next step with the GPU's current one,
     # so its per-step wall time is only meaningful unsynchronised (steady_ms).
-    for runner in ("v1", "v2", "v2-async"):
+    for runner in LLAMA_RUNNERS:
         engine = make_engine("llama-3-8b", runner, False, 8, [1, 2, 4, 8], 2048, 512)
         weight_bytes = engine.runner.executor.weight_bytes(include_embedding=False)
         samples, steady_ms, toks = run_decode(engine, 1, 1024, warmup=10, steps=steps, tag="r")
@@ -69,12 +75,15 @@ def llama_batch1(bw: float, steps: int) -> dict:
         result["floor_ms"] = floor_ms
         tokens[runner] = toks
         free(engine)
+    gemv.ENABLED = True
     # The run ends in an abort: the async engine drops the token it had in flight, so
     # its lists may be one token shorter (a prefix of the synchronous ones).
     ref, late = tokens["v1"], tokens["v2-async"]
     result["tokens_identical"] = ref == tokens["v2"] and ref.keys() == late.keys() and all(
         ref[r][: len(late[r])] == late[r] and len(ref[r]) - len(late[r]) <= 1 for r in ref
     )
+    # bf16: a different summation order may flip a near-tie, so this one is reported only.
+    result["tokens_same_as_cublas"] = tokens["v1-cublas"] == ref
     return result
 
 
@@ -116,12 +125,13 @@ def main() -> int:
     if not args.skip_llama:
         report["llama_3_8b_batch1"] = r = llama_batch1(bw, args.steps)
         print(f"llama-3-8b B=1 ctx 1024: floor {r['floor_ms']:.2f} ms", flush=True)
-        for runner in ("v1", "v2", "v2-async"):
+        for runner in LLAMA_RUNNERS:
             x = r[runner]
             print(f"  {runner}: forward GPU {x['forward_gpu_ms']:.2f} ms ({x['forward_gpu_over_floor']:.2f}x floor), "
                   f"wall {x['wall_ms']:.2f} ms ({x['wall_over_floor']:.2f}x), steady {x['steady_ms']:.2f} ms "
                   f"({x['steady_over_floor']:.2f}x)", flush=True)
-        print(f"  tokens identical V1 vs V2 vs V2-async: {r['tokens_identical']}", flush=True)
+        print(f"  tokens identical V1 vs V2 vs V2-async (fused GEMVs): {r['tokens_identical']}; "
+              f"same as with cuBLAS: {r['tokens_same_as_cublas']}", flush=True)
         with open(args.out, "w") as f:
             json.dump(report, f, indent=1)
     if not args.skip_qwen:

@@ -1,16 +1,15 @@
-"""Batch-1 weight GEMVs: cuBLAS (what the model runs today, via F.linear) against a plain
-Triton GEMV, on the llama-3-8b layer shapes (the decode-floor issue's open gap: the
-profile shows cuBLAS streaming the two small matrices, qkv and o_proj, at ~71% of the
-read bandwidth and splitting K with an extra reduction kernel for o_proj and down).
+"""Batch-1 weight GEMVs: the model's fused Triton GEMVs (shared.model.gemv) against cuBLAS
+(F.linear) and against the unfused chain they replace, on the llama-3-8b and qwen3-0.6b
+decoder shapes; tunes the launch config per shape and writes the table the model reads.
 
-An experiment, not a component: the model does not use this kernel. Each configuration
-is checked against F.linear before it is timed; times are per call from a CUDA graph of
-back-to-back calls (as the runners replay decode), so launch cost is excluded.
+Each configuration is checked against float32 math before it is timed. Times are per
+call from a CUDA graph of back-to-back calls, as the runners replay decode, over enough
+distinct weight copies (like distinct layers) that nothing is served from L2.
 
-  python3 scripts/bench_gemv.py [--out gemv.json] [--batch 1]
+  python3 scripts/bench_gemv.py --out gemv.json [--configs-out gemv_configs.json]
 
-On a machine without a GPU, `--check` runs the kernel under the Triton interpreter on small
-shapes against F.linear (correctness only).
+On a machine without a GPU, `--check` runs the kernel under the Triton interpreter on a
+small shape against F.linear (correctness only; tests/shared/test_gemv.py is thorough).
 """
 
 from __future__ import annotations
@@ -18,6 +17,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -27,119 +27,166 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from shared.bench.measure import graph_time_ms, measure_read_bandwidth  # noqa: E402
-from shared.triton_utils import tl, triton  # noqa: E402  (sets up the interpreter on CPU)
+from shared.model import fused_ops, gemv  # noqa: E402
+from shared.model.layers import RotaryEmbedding  # noqa: E402
 
-# (name, out_features N, in_features K) of one llama-3-8b decoder layer, and its LM head
+# (name, weight rows, K, epilogue, input norm, head_dim, rope heads)
 SHAPES = [
-    ("qkv", 6144, 4096), ("o_proj", 4096, 4096), ("gate_up", 28672, 4096),
-    ("down", 4096, 14336), ("lm_head", 128256, 4096),
+    ("llama qkv", 6144, 4096, "rope", True, 128, 40),
+    ("llama o_proj", 4096, 4096, "residual", False, 0, 0),
+    ("llama gate_up", 28672, 4096, "silu", True, 0, 0),
+    ("llama down", 4096, 14336, "residual", False, 0, 0),
+    ("llama lm_head", 128256, 4096, "none", False, 0, 0),
+    ("qwen3 qkv", 4096, 1024, "none", True, 0, 0),
+    ("qwen3 o_proj", 1024, 2048, "residual", False, 0, 0),
+    ("qwen3 gate_up", 6144, 1024, "silu", True, 0, 0),
+    ("qwen3 down", 1024, 3072, "residual", False, 0, 0),
+    ("qwen3 lm_head", 151936, 1024, "none", False, 0, 0),
 ]
-BLOCK_N = (4, 8, 16)
-BLOCK_K = (256, 512, 1024)
-WARPS = (4, 8)
-STAGES = (2, 3, 4)
-REPS, CALLS = 30, 20  # timed graph replays, GEMV calls per graph
+# (BLOCK_N, BLOCK_K, warps, stages, use_dot): the FMA kernel, then the tensor-core one
+SWEEP = [*itertools.product((8, 16, 32), (256, 512, 1024), (4, 8), (2, 4), (0,)),
+         *itertools.product((16, 32, 64), (128, 256, 512), (4, 8), (3, 5), (1,))]
+REPS = 20
+COPY_BYTES = 1 << 30  # distinct weight copies per shape: ~1 GiB, >> the 50 MB L2
 
 
-@triton.jit
-def _gemv_kernel(
-    x_ptr,  # [M, K] activations, row stride K
-    w_ptr,  # [N, K] weight, row-major (nn.Linear's layout)
-    y_ptr,  # [M, N] output
-    N,
-    K,
-    M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-):
-    """Program = BLOCK_N output rows over the whole of K: each weight row is read once,
-    contiguously along K; the M (<= 8) activation rows ride along from L2."""
-    pid = tl.program_id(0)
-    rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-    row_mask = rows < N
-    for m in tl.static_range(M):
-        acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            cols = k0 + tl.arange(0, BLOCK_K)
-            col_mask = cols < K
-            w = tl.load(w_ptr + rows[:, None].to(tl.int64) * K + cols[None, :],
-                        mask=row_mask[:, None] & col_mask[None, :], other=0.0)
-            x = tl.load(x_ptr + m * K + cols, mask=col_mask, other=0.0)
-            acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
-        y = tl.sum(acc, axis=1)
-        tl.store(y_ptr + m * N + rows, y.to(y_ptr.dtype.element_ty), mask=row_mask)
+def timed(fns: list, reps: int = REPS) -> float:
+    """Per-call ms of the calls in `fns` (each on its own weight copy) replayed in a graph."""
+    cycle = itertools.cycle(fns)
+    rounds = max(1, math.ceil(16 / len(fns)))
+    return graph_time_ms(lambda: next(cycle)(), reps, calls=len(fns) * rounds)
 
 
-def triton_gemv(x: torch.Tensor, w: torch.Tensor, block_n: int, block_k: int,
-                num_warps: int = 4, num_stages: int = 2) -> torch.Tensor:
-    m, k = x.shape
-    n, k_w = w.shape
-    assert k == k_w and x.is_contiguous() and w.is_contiguous() and m <= 8
-    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    extra = {} if not x.is_cuda else {"num_warps": num_warps, "num_stages": num_stages}
-    _gemv_kernel[(triton.cdiv(n, block_n),)](
-        x, w, y, n, k, M=m, BLOCK_N=block_n, BLOCK_K=block_k, **extra
-    )
-    return y
+class Case:
+    """Weights (several copies), inputs and the float32 reference of one shape."""
+
+    def __init__(self, rows, k, epilogue, has_norm, head_dim, rope_heads, m, dtype):
+        dev = "cuda"
+        gen = torch.Generator(device=dev).manual_seed(0)
+        bytes_per = rows * k * torch.empty((), dtype=dtype).element_size()
+        copies = max(2, min(64, COPY_BYTES // bytes_per))
+        self.weights = [torch.randn(rows, k, device=dev, dtype=dtype, generator=gen) * k**-0.5
+                        for _ in range(copies)]
+        self.weight_bytes = bytes_per
+        self.x = torch.randn(m, k, device=dev, dtype=dtype, generator=gen)
+        self.kw = {"epilogue": epilogue}
+        if has_norm:
+            self.kw.update(norm_weight=1 + 0.1 * torch.randn(k, device=dev, generator=gen).to(dtype),
+                           eps=1e-5)
+        if epilogue == "residual":
+            self.kw["residual"] = torch.randn(m, rows, device=dev, dtype=dtype, generator=gen)
+        if epilogue == "rope":
+            rope = RotaryEmbedding(head_dim, head_dim, 4096, {"rope_type": "default",
+                                                              "rope_theta": 5e5}).to(dev)
+            self.kw.update(positions=torch.full((m,), 1000, device=dev),
+                           cos_sin_cache=rope.cos_sin_cache, head_dim=head_dim,
+                           num_rope_heads=rope_heads)
+        self.unfused = self._unfused_chain(self.kw, self.x, epilogue, has_norm, head_dim)
+        # The oracle: the unfused chain (norm kernel, cuBLAS, the op after) in float32.
+        kw32 = {k_: v.float() if torch.is_tensor(v) and v.is_floating_point() else v
+                for k_, v in self.kw.items()}
+        chain32 = self._unfused_chain(kw32, self.x.float(), epilogue, has_norm, head_dim)
+        self.ref = chain32(self.weights[0].float()).float()
+
+    @staticmethod
+    def _unfused_chain(kw, x, epilogue, has_norm, head_dim):
+        """What the model runs without the GEMV path: norm kernel, cuBLAS, the op after."""
+
+        def chain(w):
+            h = fused_ops.rms_norm(x, kw["norm_weight"], kw["eps"]) if has_norm else x
+            y = F.linear(h, w)
+            if epilogue == "silu":
+                return fused_ops.silu_and_mul(y)
+            if epilogue == "rope":  # in place in y
+                fused_ops.qk_norm_rope(y, kw["positions"], kw["cos_sin_cache"], 32, 8,
+                                       head_dim, head_dim, None, None, 0.0)
+            if epilogue == "residual":
+                return y + kw["residual"]
+            return y
+        return chain
+
+    def fused(self, config):
+        return [lambda w=w: gemv.gemv(self.x, w, **self.kw, config=config) for w in self.weights]
 
 
-def bench_shape(name: str, n: int, k: int, batch: int, bw: float) -> dict:
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16, generator=gen) * 0.02
-    x = torch.randn(batch, k, device="cuda", dtype=torch.bfloat16, generator=gen)
-    ref = F.linear(x, w)
-    weight_bytes = w.numel() * w.element_size()
-    cublas_ms = graph_time_ms(lambda: F.linear(x, w), REPS, CALLS)
-    best = None
-    for bn, bk, warps, stages in itertools.product(BLOCK_N, BLOCK_K, WARPS, STAGES):
-        out = triton_gemv(x, w, bn, bk, warps, stages)
-        err = (out.float() - ref.float()).abs().max().item()
-        if err > 5e-2:  # bf16 output of a K-long fp32 sum: a few bf16 ulps
-            raise AssertionError(f"{name} BLOCK_N={bn} BLOCK_K={bk}: differs by {err}")
-        ms = graph_time_ms(lambda bn=bn, bk=bk, warps=warps, stages=stages:
-                           triton_gemv(x, w, bn, bk, warps, stages), REPS, CALLS)
+def bench_shape(name, rows, k, epilogue, has_norm, head_dim, rope_heads, m, bw, sweep=True,
+                config=None) -> dict:
+    case = Case(rows, k, epilogue, has_norm, head_dim, rope_heads, m, torch.bfloat16)
+    cublas_ms = timed([lambda w=w: F.linear(case.x, w) for w in case.weights])
+    unfused_ms = timed([lambda w=w: case.unfused(w) for w in case.weights])
+    best, by_kernel, failed = None, {}, 0
+    for cfg in SWEEP if sweep else [config]:
+        try:
+            out = gemv.gemv(case.x, case.weights[0], **case.kw, config=cfg).float()
+        except Exception as e:  # e.g. a dot tile that exceeds shared memory: not a candidate
+            failed += 1
+            print(f"  {name} config {cfg} does not run: {type(e).__name__}", flush=True)
+            continue
+        err = (out - case.ref).abs().max().item()
+        if err > 0.05 * max(1.0, case.ref.abs().max().item()):
+            raise AssertionError(f"{name} config {cfg}: differs from float32 by {err}")
+        ms = timed(case.fused(cfg))
+        result = {"config": list(cfg), "time_ms": ms, "max_abs_err": err}
+        kind = "dot" if cfg[4] else "fma"
+        if kind not in by_kernel or ms < by_kernel[kind]["time_ms"]:
+            by_kernel[kind] = result
         if best is None or ms < best["time_ms"]:
-            best = {"block_n": bn, "block_k": bk, "num_warps": warps, "num_stages": stages,
-                    "time_ms": ms, "max_abs_err": err}
-    row = {
-        "shape": name, "N": n, "K": k, "batch": batch, "weight_bytes": weight_bytes,
-        "cublas_ms": cublas_ms, "cublas_GBps": weight_bytes / cublas_ms / 1e6,
-        "triton_best": best, "triton_GBps": weight_bytes / best["time_ms"] / 1e6,
-    }
-    row["cublas_ratio_to_read_bw"] = row["cublas_GBps"] / bw
-    row["triton_ratio_to_read_bw"] = row["triton_GBps"] / bw
-    print(f"{name:>8} {n:>6}x{k:<6} cuBLAS {cublas_ms * 1e3:8.1f} us "
-          f"({row['cublas_ratio_to_read_bw']:.0%})  Triton {best['time_ms'] * 1e3:8.1f} us "
-          f"({row['triton_ratio_to_read_bw']:.0%}) best {best}", flush=True)
+            best = result
+    gbps = lambda ms: case.weight_bytes / ms / 1e6  # noqa: E731
+    row = {"shape": name, "rows": rows, "K": k, "m": m, "epilogue": epilogue, "norm": has_norm,
+           "weight_bytes": case.weight_bytes, "cublas_ms": cublas_ms, "unfused_ms": unfused_ms,
+           "fused": best, "best_by_kernel": by_kernel, "configs_that_failed_to_run": failed, "cublas_of_read_bw": gbps(cublas_ms) / bw,
+           "fused_of_read_bw": gbps(best["time_ms"]) / bw,
+           "key": gemv.config_key(epilogue, has_norm, rows, k, m)}
+    print(f"{name:>14} m={m} {rows:>6}x{k:<6} cuBLAS {cublas_ms * 1e3:6.1f} us "
+          f"({row['cublas_of_read_bw']:.0%}) unfused chain {unfused_ms * 1e3:6.1f} us | fused "
+          f"{epilogue}{'+norm' if has_norm else ''} {best['time_ms'] * 1e3:6.1f} us "
+          f"({row['fused_of_read_bw']:.0%}) config {best['config']}"
+          + "".join(f" | best {k} {v['time_ms'] * 1e3:.1f} us" for k, v in by_kernel.items()),
+          flush=True)
     return row
 
 
 def check_on_cpu() -> None:
-    """Correctness under the interpreter on small shapes (fp32: no bf16 math there)."""
     torch.manual_seed(0)
-    for m, n, k, bn, bk in ((1, 37, 300, 8, 128), (3, 64, 256, 16, 256), (8, 5, 129, 4, 128)):
-        x, w = torch.randn(m, k), torch.randn(n, k)
-        out = triton_gemv(x, w, bn, bk)
-        torch.testing.assert_close(out, F.linear(x, w), rtol=1e-5, atol=1e-4)
-        print(f"ok M={m} N={n} K={k} BLOCK_N={bn} BLOCK_K={bk}")
+    x, w = torch.randn(1, 300), torch.randn(37, 300)
+    torch.testing.assert_close(gemv.gemv(x, w, config=(8, 128, 4, 2)), F.linear(x, w),
+                               rtol=1e-5, atol=1e-4)
+    print("ok: interpreter GEMV matches F.linear")
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", type=Path, default=None)
-    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--configs-out", type=Path, default=None,
+                   help="write the best config per shape (gemv_configs.json's format)")
     p.add_argument("--check", action="store_true", help="interpreter correctness check only")
     args = p.parse_args()
     if args.check or not torch.cuda.is_available():
         check_on_cpu()
         return 0
     bw = measure_read_bandwidth(torch.device("cuda")) / 1e9
-    print(f"GPU {torch.cuda.get_device_name()}: read bandwidth {bw:.0f} GB/s", flush=True)
-    rows = [bench_shape(name, n, k, args.batch, bw) for name, n, k in SHAPES]
+    gpu = torch.cuda.get_device_name()
+    print(f"GPU {gpu}: read bandwidth {bw:.0f} GB/s", flush=True)
+    rows = []
+    for shape in SHAPES:
+        rows.append(bench_shape(*shape, 1, bw))
+        torch.cuda.empty_cache()  # the last shape's weight copies
+    # More token rows, tensor-core kernel with the best M=1 dot config: where the GEMV path
+    # stops paying against cuBLAS (MAX_TOKENS).
+    best_dot = {r["shape"]: r["best_by_kernel"]["dot"]["config"] for r in rows}
+    for shape in SHAPES[:4]:
+        for m in (2, 4, 8, 16):
+            rows.append(bench_shape(*shape, m, bw, sweep=False, config=best_dot[shape[0]]))
     report = {"command": "python3 scripts/bench_gemv.py " + " ".join(sys.argv[1:]),
-              "gpu": torch.cuda.get_device_name(), "read_bandwidth_GBps": bw, "rows": rows}
+              "gpu": gpu, "read_bandwidth_GBps": bw, "rows": rows}
     if args.out:
         args.out.write_text(json.dumps(report, indent=1))
+    if args.configs_out:
+        # Merged into the file: other devices' tables stay.
+        tables = json.loads(args.configs_out.read_text()) if args.configs_out.exists() else {}
+        tables[gpu] = {r["key"]: r["fused"]["config"] for r in rows if r["m"] == 1}
+        args.configs_out.write_text(json.dumps(tables, indent=1, sort_keys=True) + "\n")
     return 0
 
 

@@ -2,7 +2,11 @@
 # The GPU machine's one entry point: install what the image lacks from carried wheels,
 # run the gpu-marked tests, run the benchmarks, write everything under $OUT.
 #
-#   scripts/gpu_check.sh [tests|attention|decode|ab|ab_async|gemv|hf|all]...
+#   scripts/gpu_check.sh [gemv|tests|attention|decode|profile|ab|ab_async|hf|all]...
+#
+# Stages run in the order of this file, whatever the order of the arguments: gemv comes
+# first because it tunes the GEMV launch table (shared/model/gemv_configs.json) that the
+# later stages' models read.
 #
 # Run through the device tool from the repository root, carrying `.whl`:
 #   python3 -m pip download ... -d .whl pydantic==2.14.4 pydantic-core==2.50.5 \
@@ -26,6 +30,11 @@ stages=("$@")
 want() { for s in "${stages[@]}"; do [ "$s" = "$1" ] || [ "$s" = all ] && return 0; done; return 1; }
 status=0
 
+if want gemv; then
+  python3 scripts/bench_gemv.py --out "$OUT/gemv.json" \
+    --configs-out shared/model/gemv_configs.json 2>&1 | tee "$OUT/gemv.log"
+  cp shared/model/gemv_configs.json "$OUT/gemv_configs.json"
+fi
 if want tests; then
   python3 -m pytest -q -m gpu -p no:cacheprovider -o addopts="" -rfE --durations=15 \
     --junitxml="$OUT/pytest_gpu.xml" ${GPU_TESTS:-tests} 2>&1 | tee "$OUT/pytest_gpu.log"
@@ -35,7 +44,12 @@ if want attention; then
   python3 scripts/bench_attention.py --out "$OUT/attention.json" 2>&1 | tee "$OUT/attention.log"
 fi
 if want decode; then
-  python3 scripts/bench_decode.py --out "$OUT/decode.json" 2>&1 | tee "$OUT/decode.log"
+  python3 scripts/bench_decode.py --out "$OUT/decode.json" ${DECODE_ARGS:-} 2>&1 \
+    | tee "$OUT/decode.log"
+fi
+if want profile; then
+  python3 scripts/profile_decode.py --model llama-3-8b --batch 1 --runner v2 2>&1 \
+    | grep -v "^INFO" | tee "$OUT/profile_llama3_8b_b1.txt"
 fi
 if want ab; then
   # decode ladder 1..1024 + churn + nano-vllm throughput, both runners in one process
@@ -49,9 +63,6 @@ if want ab_async; then
   python3 -m shared.cli ab --model qwen3-0.6b --load-format dummy --dtype bfloat16 --device cuda \
     --workloads decode,churn,throughput --async-scheduling --output-dir "$OUT/ab_async" 2>&1 \
     | grep -v "^INFO" | tee "$OUT/ab_async.log"
-fi
-if want gemv; then
-  python3 scripts/bench_gemv.py --out "$OUT/gemv.json" 2>&1 | tee "$OUT/gemv.log"
 fi
 if want hf; then
   python3 scripts/hf_throughput.py --model qwen3-0.6b --device cuda --out "$OUT/hf_throughput.json" \

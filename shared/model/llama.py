@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from shared.attention.layer import Attention
-from shared.model import fused_ops
+from shared.model import fused_ops, gemv
 from shared.model.layers import (
     Linear,
     MergedLinear,
@@ -41,6 +41,14 @@ class LlamaMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+
+    def forward_gemv(self, stream: torch.Tensor, norm: RMSNorm) -> torch.Tensor:
+        """Small-batch path, two launches: norm + gate_up + SiLU-and-mul, then down + the
+        residual add. Takes the residual stream, returns the stream after the MLP."""
+        gate_up, down = self.gate_up_proj, self.down_proj
+        act = gemv.gemv(stream, gate_up.weight, gate_up.bias, norm_weight=norm.weight,
+                        eps=norm.eps, epilogue="silu")
+        return gemv.gemv(act, down.weight, down.bias, epilogue="residual", residual=stream)
 
 
 class LlamaAttention(nn.Module):
@@ -98,6 +106,28 @@ class LlamaAttention(nn.Module):
         """attention output [T, H*D] -> [T, hidden]."""
         return self.o_proj(attn_output)
 
+    def pre_attention_gemv(
+        self, positions: torch.Tensor, stream: torch.Tensor, norm: RMSNorm
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Small-batch path: the input norm, the qkv GEMV and (without q/k norm, full
+        rotary) RoPE in one launch; Qwen3's q/k norm + RoPE stay one more launch."""
+        rope, proj = self.rotary_emb, self.qkv_proj
+        if self.q_norm is None and rope.rotary_dim == self.head_dim:
+            qkv = gemv.gemv(
+                stream, proj.weight, proj.bias, norm_weight=norm.weight, eps=norm.eps,
+                epilogue="rope", positions=positions, cos_sin_cache=rope.cos_sin_cache,
+                head_dim=self.head_dim, num_rope_heads=self.num_heads + self.num_kv_heads,
+            )
+            return qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        qkv = gemv.gemv(stream, proj.weight, proj.bias, norm_weight=norm.weight, eps=norm.eps)
+        return fused_ops.qk_norm_rope(
+            qkv, positions, rope.cos_sin_cache,
+            self.num_heads, self.num_kv_heads, self.head_dim, rope.rotary_dim,
+            None if self.q_norm is None else self.q_norm.weight,
+            None if self.k_norm is None else self.k_norm.weight,
+            0.0 if self.q_norm is None else self.q_norm.eps,
+        )
+
     def _norm_rope_torch(
         self, positions: torch.Tensor, qkv: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -141,6 +171,13 @@ class LlamaDecoderLayer(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """Everything before the attention call: (pending residual add +) input norm and
         the attention's pre_attention. -> (q, k, v, residual stream)."""
+        if residual is None and gemv.use_gemv(hidden_states):
+            # Small batch: the previous layer's GEMV epilogue already added the residual,
+            # so hidden_states is the stream itself.
+            q, k, v = self.self_attn.pre_attention_gemv(
+                positions, hidden_states, self.input_layernorm
+            )
+            return q, k, v, hidden_states
         if residual is None:
             residual = hidden_states
             hidden_states = self.input_layernorm(hidden_states)
@@ -153,9 +190,24 @@ class LlamaDecoderLayer(nn.Module):
         self, attn_output: torch.Tensor, residual: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Everything after it: o_proj, residual add + norm, MLP. -> (MLP output, stream)."""
+        if gemv.use_gemv(attn_output):
+            return self._post_attention_gemv(attn_output, residual)
         hidden_states = self.self_attn.post_attention(attn_output)
         hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
         return self.mlp(hidden_states), residual
+
+    def _post_attention_gemv(
+        self, attn_output: torch.Tensor, residual: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Small batch: o_proj adds the residual in its epilogue; a dense MLP then runs as
+        two fused GEMVs and returns the finished stream with no pending residual (None),
+        which is what the next layer's pre_attention (or the final norm) expects."""
+        o_proj = self.self_attn.o_proj
+        stream = gemv.gemv(attn_output, o_proj.weight, o_proj.bias, epilogue="residual",
+                           residual=residual)
+        if isinstance(self.mlp, LlamaMLP):
+            return self.mlp.forward_gemv(stream, self.post_attention_layernorm), None
+        return self.mlp(self.post_attention_layernorm(stream)), stream  # MoE
 
 
 class LlamaModel(nn.Module):

@@ -1,0 +1,304 @@
+"""Small-batch weight GEMVs with the decoder's neighbouring ops fused in (the CUDA path).
+
+At batch 1 a decode step is weight streaming: every GEMV reads its whole matrix once for
+one activation row. cuBLAS streams the two small llama-3-8b matrices (qkv, o_proj) at
+~71% of the read bandwidth and splits K behind an extra reduction kernel, and each of the
+decoder's ~13 kernels per layer pays launch latency and a tail. Here one program owns
+BLOCK_N output rows over the whole of K (each weight row read once, contiguously, no
+split-K), and the ops around a GEMV ride along in its prologue or epilogue:
+
+- NORM prologue: RMSNorm of the input, folded into the dot product:
+  y = rstd * sum_k W[n, k] * (x_k * g_k), with sum_k x_k^2 accumulated in the same pass,
+  so the norm costs no extra kernel and no extra pass. (The unfused path rounds the
+  normalised row to the model dtype before the matmul; this one keeps it in float32 -
+  the same value up to bf16 rounding, identical math in float32.)
+- RESIDUAL epilogue: out = round(round(y) + residual), the unfused `x + residual`.
+- SILU epilogue (gate|up weight): out[j] = round(silu(round(gate_j))) * round(up_j).
+- ROPE epilogue (q|k|v weight): a program owns rows (d, d + D/2) of one head, the pairs
+  neox RoPE rotates together, and rotates q and k heads in float32 at `positions`.
+
+Each kernel is one launch whose grid depends only on the weight shape and the token count,
+and nothing is read back to the host: CUDA-graph capturable. The launch configuration per
+(device, variant, shape) comes from gemv_configs.json, written by scripts/bench_gemv.py
+on that device (measured, not guessed); shapes it lacks get a default.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from pathlib import Path
+
+import torch
+
+from shared.model import fused_ops
+from shared.triton_utils import tl, triton
+
+# Token counts up to this take the GEMV path (each extra token row re-reads the weight
+# tile from L2; past a few rows cuBLAS's tensor-core GEMM wins - see bench_gemv.py).
+MAX_TOKENS = 1
+# Module switch (benchmarks and tests flip it): False = cuBLAS + separate kernels.
+ENABLED = True
+
+_EPILOGUES = {"none": 0, "residual": 1, "silu": 2, "rope": 3}
+_CONFIG_FILE = Path(__file__).with_name("gemv_configs.json")
+# (BLOCK_N, BLOCK_K, num_warps, num_stages, use_dot) when the table has no entry
+_DEFAULT_CONFIG = (16, 512, 4, 3, 0)
+
+
+def use_gemv(x: torch.Tensor) -> bool:
+    """The dispatch rule: CUDA, fused kernels on, at most MAX_TOKENS rows, a float type
+    the kernels reduce in float32."""
+    return (
+        ENABLED
+        and fused_ops.use_fused(x)
+        and 0 < x.shape[0] <= MAX_TOKENS
+        and x.dtype in (torch.bfloat16, torch.float16, torch.float32)
+    )
+
+
+@triton.jit
+def _program_rows(pid, N_OUT, BLOCK_N: tl.constexpr, EPILOGUE: tl.constexpr,
+                  HEAD_DIM: tl.constexpr):
+    """The weight rows a program owns: rows_a, and for the paired epilogues rows_b (SILU:
+    the up row j + I of gate row j; ROPE: dims d and d + D/2 of one head)."""
+    offs = tl.arange(0, BLOCK_N)
+    if EPILOGUE == 3:
+        half: tl.constexpr = HEAD_DIM // 2
+        head = pid // (half // BLOCK_N)
+        dims = (pid % (half // BLOCK_N)) * BLOCK_N + offs
+        rows_a = head * HEAD_DIM + dims
+        rows_b = rows_a + half
+        row_mask = offs < BLOCK_N  # the grid tiles the heads exactly
+    else:
+        head = pid
+        dims = offs
+        rows_a = pid * BLOCK_N + offs
+        rows_b = rows_a + N_OUT
+        row_mask = rows_a < N_OUT
+    return rows_a, rows_b, row_mask, head, dims
+
+
+@triton.jit
+def _epilogue(y_a, y_b, m, rows_a, rows_b, row_mask, head, dims,
+              bias_ptr, residual_ptr, out_ptr, positions_ptr, cos_sin_ptr,
+              stride_r, stride_o, stride_cs,
+              HAS_BIAS: tl.constexpr, EPILOGUE: tl.constexpr, HEAD_DIM: tl.constexpr,
+              NUM_ROPE_HEADS: tl.constexpr):
+    """Token m's outputs from its float32 dot products y_a, y_b [BLOCK_N]."""
+    dtype = out_ptr.dtype.element_ty
+    if HAS_BIAS:
+        y_a += tl.load(bias_ptr + rows_a, mask=row_mask, other=0.0).to(tl.float32)
+        if EPILOGUE >= 2:
+            y_b += tl.load(bias_ptr + rows_b, mask=row_mask, other=0.0).to(tl.float32)
+    # Round to the model dtype where the unfused path's matmul output is rounded.
+    y_a = y_a.to(dtype).to(tl.float32)
+    y_b = y_b.to(dtype).to(tl.float32)
+    out_row = out_ptr + m * stride_o
+    if EPILOGUE == 0:
+        tl.store(out_row + rows_a, y_a.to(dtype), mask=row_mask)
+    elif EPILOGUE == 1:
+        r = tl.load(residual_ptr + m * stride_r + rows_a, mask=row_mask, other=0.0)
+        tl.store(out_row + rows_a, (y_a + r.to(tl.float32)).to(dtype), mask=row_mask)
+    elif EPILOGUE == 2:
+        act = (y_a / (1.0 + tl.exp(-y_a))).to(dtype).to(tl.float32)
+        tl.store(out_row + rows_a, (act * y_b).to(dtype), mask=row_mask)
+    else:
+        half: tl.constexpr = HEAD_DIM // 2
+        pos = tl.load(positions_ptr + m).to(tl.int64)
+        cos = tl.load(cos_sin_ptr + pos * stride_cs + dims).to(tl.float32)
+        sin = tl.load(cos_sin_ptr + pos * stride_cs + half + dims).to(tl.float32)
+        rotate = head < NUM_ROPE_HEADS
+        out_a = tl.where(rotate, y_a * cos - y_b * sin, y_a)
+        out_b = tl.where(rotate, y_b * cos + y_a * sin, y_b)
+        tl.store(out_row + rows_a, out_a.to(dtype))
+        tl.store(out_row + rows_b, out_b.to(dtype))
+
+
+@triton.jit
+def _gemv_kernel(
+    x_ptr,  # [M, K], unit last stride
+    w_ptr,  # [rows, K] row-major (nn.Linear's layout)
+    bias_ptr,  # [rows]; read only when HAS_BIAS
+    norm_w_ptr,  # [K]; read only when HAS_NORM
+    residual_ptr,  # [M, N_OUT]; read only by the RESIDUAL epilogue
+    out_ptr,  # [M, N_OUT]
+    positions_ptr,  # int [M]; read only by the ROPE epilogue
+    cos_sin_ptr,  # [max_position, HEAD_DIM]: cos | sin; read only by ROPE
+    N_OUT,  # output columns (SILU: the intermediate size; its weight has 2 * N_OUT rows)
+    stride_x, stride_r, stride_o, stride_cs,
+    eps,
+    K: tl.constexpr,
+    M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    USE_DOT: tl.constexpr,  # tensor-core dot over the tokens padded to BLOCK_M, else FMAs
+    BLOCK_M: tl.constexpr,  # USE_DOT: M rounded up to a power of two >= 16
+    IEEE: tl.constexpr,  # USE_DOT on float32: exact products, not TF32
+    HAS_BIAS: tl.constexpr,
+    HAS_NORM: tl.constexpr,
+    EPILOGUE: tl.constexpr,  # 0 none, 1 residual, 2 silu, 3 rope
+    HEAD_DIM: tl.constexpr,  # ROPE only
+    NUM_ROPE_HEADS: tl.constexpr,  # ROPE: q + k heads (rotated); the v heads after are not
+):
+    rows_a, rows_b, row_mask, head, dims = _program_rows(
+        tl.program_id(0), N_OUT, BLOCK_N, EPILOGUE, HEAD_DIM)
+    PAIRED: tl.constexpr = EPILOGUE >= 2
+    w_a = w_ptr + rows_a[:, None].to(tl.int64) * K
+    w_b = w_ptr + rows_b[:, None].to(tl.int64) * K
+    if USE_DOT:
+        # All tokens in one pass over the weight: [BLOCK_N, BLOCK_K] @ [BLOCK_K, BLOCK_M].
+        # Triton pipelines dot operands through shared memory (num_stages tiles in flight).
+        offs_m = tl.arange(0, BLOCK_M)
+        acc_a = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+        acc_b = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+        sum_sq = tl.zeros([BLOCK_M], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            cols = k0 + tl.arange(0, BLOCK_K)
+            col_mask = cols < K
+            xt = tl.load(x_ptr + offs_m[None, :] * stride_x + cols[:, None],
+                         mask=(offs_m < M)[None, :] & col_mask[:, None], other=0.0)
+            if HAS_NORM:
+                xf = xt.to(tl.float32)
+                sum_sq += tl.sum(xf * xf, axis=0)
+                g = tl.load(norm_w_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
+                xt = (xf * g[:, None]).to(w_ptr.dtype.element_ty)
+            mask = row_mask[:, None] & col_mask[None, :]
+            wa = tl.load(w_a + cols[None, :], mask=mask, other=0.0)
+            if IEEE:
+                acc_a = tl.dot(wa, xt, acc_a, input_precision="ieee")
+            else:
+                acc_a = tl.dot(wa, xt, acc_a)
+            if PAIRED:
+                wb = tl.load(w_b + cols[None, :], mask=mask, other=0.0)
+                if IEEE:
+                    acc_b = tl.dot(wb, xt, acc_b, input_precision="ieee")
+                else:
+                    acc_b = tl.dot(wb, xt, acc_b)
+        if HAS_NORM:
+            rstd = tl.math.rsqrt(sum_sq / K + eps)
+            acc_a = acc_a * rstd[None, :]
+            acc_b = acc_b * rstd[None, :]
+        for m in tl.static_range(M):
+            pick = offs_m[None, :] == m
+            y_a = tl.sum(tl.where(pick, acc_a, 0.0), axis=1)
+            y_b = tl.sum(tl.where(pick, acc_b, 0.0), axis=1)
+            _epilogue(y_a, y_b, m, rows_a, rows_b, row_mask, head, dims,
+                      bias_ptr, residual_ptr, out_ptr, positions_ptr, cos_sin_ptr,
+                      stride_r, stride_o, stride_cs,
+                      HAS_BIAS, EPILOGUE, HEAD_DIM, NUM_ROPE_HEADS)
+    else:
+        # FMAs per token: the weight tile is re-read (from L2) for every token after the
+        # first, so this is for M = 1.
+        for m in tl.static_range(M):
+            acc_a = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+            acc_b = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+            sum_sq = tl.zeros([BLOCK_K], dtype=tl.float32)
+            for k0 in range(0, K, BLOCK_K):
+                cols = k0 + tl.arange(0, BLOCK_K)
+                col_mask = cols < K
+                x = tl.load(x_ptr + m * stride_x + cols, mask=col_mask, other=0.0)
+                x = x.to(tl.float32)
+                if HAS_NORM:
+                    sum_sq += x * x
+                    x = x * tl.load(norm_w_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
+                mask = row_mask[:, None] & col_mask[None, :]
+                wa = tl.load(w_a + cols[None, :], mask=mask, other=0.0)
+                acc_a += wa.to(tl.float32) * x[None, :]
+                if PAIRED:
+                    wb = tl.load(w_b + cols[None, :], mask=mask, other=0.0)
+                    acc_b += wb.to(tl.float32) * x[None, :]
+            y_a = tl.sum(acc_a, axis=1)
+            y_b = tl.sum(acc_b, axis=1)
+            if HAS_NORM:
+                rstd = tl.math.rsqrt(tl.sum(sum_sq, axis=0) / K + eps)
+                y_a = y_a * rstd
+                y_b = y_b * rstd
+            _epilogue(y_a, y_b, m, rows_a, rows_b, row_mask, head, dims,
+                      bias_ptr, residual_ptr, out_ptr, positions_ptr, cos_sin_ptr,
+                      stride_r, stride_o, stride_cs,
+                      HAS_BIAS, EPILOGUE, HEAD_DIM, NUM_ROPE_HEADS)
+
+
+@functools.cache
+def _config_table(device_name: str) -> dict[str, list[int]]:
+    if not _CONFIG_FILE.exists():
+        return {}
+    return json.loads(_CONFIG_FILE.read_text()).get(device_name, {})
+
+
+def config_key(epilogue: str, has_norm: bool, rows: int, k: int, m: int) -> str:
+    return f"{epilogue}{'+norm' if has_norm else ''}:{rows}x{k}:m{m}"
+
+
+def _config_for(x: torch.Tensor, key: str, override) -> tuple[int, int, int, int, int]:
+    if override is not None:
+        config = tuple(override)
+    elif not x.is_cuda:
+        config = _DEFAULT_CONFIG
+    else:
+        config = tuple(_config_table(torch.cuda.get_device_name(x.device)).get(key, _DEFAULT_CONFIG))
+    return config + (0,) * (5 - len(config))  # 4-tuples: the FMA kernel
+
+
+def gemv(
+    x: torch.Tensor,  # [M, K]
+    weight: torch.Tensor,  # [rows, K]
+    bias: torch.Tensor | None = None,  # [rows]
+    *,
+    norm_weight: torch.Tensor | None = None,  # [K]: RMSNorm the input first
+    eps: float = 0.0,
+    epilogue: str = "none",  # none | residual | silu | rope
+    residual: torch.Tensor | None = None,  # [M, rows] (RESIDUAL)
+    positions: torch.Tensor | None = None,  # int [M] (ROPE)
+    cos_sin_cache: torch.Tensor | None = None,  # [max_position, head_dim] (ROPE)
+    head_dim: int = 0,  # ROPE
+    num_rope_heads: int = 0,  # ROPE: leading heads to rotate (q and k)
+    config: tuple | None = None,  # (BLOCK_N, BLOCK_K, warps, stages[, use_dot])
+) -> torch.Tensor:
+    """out = epilogue(norm?(x) @ weight.T + bias): [M, rows], or [M, rows / 2] for SILU.
+    One launch."""
+    assert epilogue in _EPILOGUES, epilogue
+    num_tokens, k = x.shape
+    rows = weight.shape[0]
+    assert weight.shape == (rows, k) and weight.is_contiguous(), (weight.shape, k)
+    assert x.stride(-1) == 1 and x.dtype == weight.dtype, (x.stride(), x.dtype, weight.dtype)
+    assert bias is None or (bias.shape == (rows,) and bias.is_contiguous())
+    assert norm_weight is None or (norm_weight.shape == (k,) and norm_weight.is_contiguous())
+    n_out = rows // 2 if epilogue == "silu" else rows
+    out = torch.empty(num_tokens, n_out, dtype=x.dtype, device=x.device)
+    if num_tokens == 0:
+        return out
+    key = config_key(epilogue, norm_weight is not None, rows, k, num_tokens)
+    block_n, block_k, num_warps, num_stages, use_dot = _config_for(x, key, config)
+    if use_dot:
+        block_n = max(block_n, 16)  # tl.dot's smallest tile
+    if epilogue == "rope":
+        half = head_dim // 2
+        block_n = min(block_n, half & -half)  # a power of two that tiles a half head
+        use_dot = use_dot and block_n >= 16
+        assert rows % head_dim == 0 and half % block_n == 0, (rows, head_dim, block_n)
+        assert cos_sin_cache.shape[1] == head_dim and cos_sin_cache.stride(1) == 1
+        assert positions.shape == (num_tokens,)
+        grid = (rows // head_dim * (head_dim // 2 // block_n),)
+    else:
+        assert epilogue != "silu" or rows % 2 == 0
+        grid = (triton.cdiv(n_out, block_n),)
+    if epilogue == "residual":
+        assert residual.shape == out.shape and residual.stride(-1) == 1, residual.shape
+    extra = {"num_warps": num_warps, "num_stages": num_stages} if x.is_cuda else {}
+    _gemv_kernel[grid](
+        x, weight, x if bias is None else bias, x if norm_weight is None else norm_weight,
+        x if residual is None else residual, out,
+        x if positions is None else positions, x if cos_sin_cache is None else cos_sin_cache,
+        n_out,
+        x.stride(0), 0 if residual is None else residual.stride(0), out.stride(0),
+        0 if cos_sin_cache is None else cos_sin_cache.stride(0),
+        eps,
+        K=k, M=num_tokens, BLOCK_N=block_n, BLOCK_K=block_k, USE_DOT=bool(use_dot),
+        BLOCK_M=max(16, triton.next_power_of_2(num_tokens)), IEEE=x.dtype == torch.float32,
+        HAS_BIAS=bias is not None, HAS_NORM=norm_weight is not None,
+        EPILOGUE=_EPILOGUES[epilogue], HEAD_DIM=head_dim, NUM_ROPE_HEADS=num_rope_heads,
+        **extra,
+    )
+    return out

@@ -1,0 +1,204 @@
+"""Small-batch fused GEMVs (shared.model.gemv) against independent PyTorch oracles.
+
+CPU: the kernel under the Triton interpreter in float32 (no bf16 math there) on odd
+shapes that exercise every mask, with launch configs forced small so a program covers a
+partial tile; RoPE checked against transformers' own `apply_rotary_pos_emb`. Whole tiny
+models (llama: RoPE fused; qwen2: qkv bias; qwen3: q/k norm kept separate; mixtral: MoE
+MLP unfused) run a prefill and batch-1 decodes through the GEMV path vs the PyTorch path.
+GPU (`gpu` mark): llama-3-8b / qwen3-0.6b shapes in bf16 and float32.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+from shared.model import fused_ops, gemv, load_model
+from shared.model.layers import RotaryEmbedding
+from tests.shared.test_fused_ops import _randomise_norms
+from tests.shared.test_model_hf import CONFIGS, PagedHarness
+
+
+def _randn(*shape, seed: int, dtype=torch.float32, device="cpu", scale: float = 1.0):
+    gen = torch.Generator().manual_seed(seed)
+    return (torch.randn(*shape, generator=gen) * scale).to(dtype).to(device)
+
+
+def _rms(x: torch.Tensor, g: torch.Tensor, eps: float) -> torch.Tensor:
+    xf = x.double()
+    return (xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps) * g.double()).to(x.dtype)
+
+
+def _rope_ref(qkv, positions, cos_sin, num_heads, num_kv_heads, head_dim):
+    """transformers' rotate-half RoPE on the q and k heads; v untouched."""
+    m = qkv.shape[0]
+    half = head_dim // 2
+    cos = cos_sin[positions, :half].repeat(1, 2)[:, None, :]  # [M, 1, D]
+    sin = cos_sin[positions, half:].repeat(1, 2)[:, None, :]
+    q = qkv[:, : num_heads * head_dim].view(m, num_heads, head_dim)
+    k = qkv[:, num_heads * head_dim:(num_heads + num_kv_heads) * head_dim]
+    k = k.reshape(m, num_kv_heads, head_dim)
+    q, k = apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=0)
+    v = qkv[:, (num_heads + num_kv_heads) * head_dim:]
+    return torch.cat([q.reshape(m, -1), k.reshape(m, -1), v], dim=-1)
+
+
+# (BLOCK_N, BLOCK_K, warps, stages, use_dot): partial row/col tiles, both kernels
+CONFIGS_SMALL = [(8, 128, 4, 2, 0), (4, 64, 2, 3, 0), (16, 512, 4, 2, 0), (16, 64, 4, 2, 1),
+                 (32, 128, 4, 2, 1)]
+
+
+@pytest.mark.parametrize("m", [1, 3, 17])
+@pytest.mark.parametrize("config", CONFIGS_SMALL)
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_plain_and_residual(m, config, with_bias):
+    rows, k = 37, 300
+    x, w = _randn(m, k, seed=1), _randn(rows, k, seed=2, scale=0.1)
+    bias = _randn(rows, seed=3) if with_bias else None
+    ref = F.linear(x, w, bias)
+    torch.testing.assert_close(gemv.gemv(x, w, bias, config=config), ref, rtol=1e-5, atol=1e-5)
+    r = _randn(m, rows, seed=4)
+    got = gemv.gemv(x, w, bias, epilogue="residual", residual=r, config=config)
+    torch.testing.assert_close(got, ref + r, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("m", [1, 2])
+@pytest.mark.parametrize("config", CONFIGS_SMALL)
+def test_norm_prologue_and_silu(m, config):
+    inter, k, eps = 45, 200, 1e-5
+    x = _randn(m, k, seed=5, scale=3.0)
+    g = 1.0 + 0.2 * _randn(k, seed=6)
+    w, bias = _randn(2 * inter, k, seed=7, scale=0.1), _randn(2 * inter, seed=8)
+    normed = _rms(x, g, eps)
+    got = gemv.gemv(x, w, norm_weight=g, eps=eps, config=config)
+    torch.testing.assert_close(got, F.linear(normed, w), rtol=1e-5, atol=1e-5)
+    gate, up = F.linear(normed, w, bias).chunk(2, dim=-1)
+    got = gemv.gemv(x, w, bias, norm_weight=g, eps=eps, epilogue="silu", config=config)
+    assert got.shape == (m, inter)
+    torch.testing.assert_close(got, F.silu(gate) * up, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("head_dim,config", [(16, (8, 64, 4, 2)), (16, (4, 128, 4, 2)),
+                                             (24, (16, 64, 4, 2)), (32, (16, 32, 4, 2, 1)),
+                                             (16, (16, 32, 4, 2, 1))])
+def test_rope_epilogue_matches_transformers(head_dim, config):
+    """head_dim 24: a half head of 12 is tiled by 4-row blocks (the launcher shrinks 16);
+    head_dim 16 with the dot kernel: an 8-row half head falls back to the FMA kernel."""
+    num_heads, num_kv_heads, k, eps = 4, 2, 96, 1e-6
+    rows = (num_heads + 2 * num_kv_heads) * head_dim
+    rope = RotaryEmbedding(head_dim, head_dim, 64, {"rope_type": "default", "rope_theta": 1e4})
+    positions = torch.tensor([5, 0, 63], dtype=torch.int64)
+    x, g = _randn(3, k, seed=9), 1.0 + 0.1 * _randn(k, seed=10)
+    w, bias = _randn(rows, k, seed=11, scale=0.1), _randn(rows, seed=12)
+    got = gemv.gemv(x, w, bias, norm_weight=g, eps=eps, epilogue="rope", positions=positions,
+                    cos_sin_cache=rope.cos_sin_cache, head_dim=head_dim,
+                    num_rope_heads=num_heads + num_kv_heads, config=config)
+    qkv = F.linear(_rms(x, g, eps), w, bias)
+    ref = _rope_ref(qkv, positions, rope.cos_sin_cache, num_heads, num_kv_heads, head_dim)
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(got, qkv, atol=1e-3)  # the rotation did something
+
+
+def test_dispatch_rule(monkeypatch):
+    x = torch.zeros(1, 8)
+    assert not gemv.use_gemv(x)  # CPU: never
+    monkeypatch.setattr(fused_ops, "use_fused", lambda t: True)
+    assert gemv.use_gemv(x)
+    assert not gemv.use_gemv(torch.zeros(gemv.MAX_TOKENS + 1, 8))
+    assert not gemv.use_gemv(torch.zeros(0, 8))
+    assert not gemv.use_gemv(x.double())
+    monkeypatch.setattr(gemv, "ENABLED", False)
+    assert not gemv.use_gemv(x)
+
+
+def _prefill_then_decodes(model) -> torch.Tensor:
+    """A 5-token prefill (regular path), then three batch-1 decodes (GEMV path)."""
+    harness = PagedHarness(model, num_blocks=8, block_size=4)
+    prompt = [3, 17, 99, 4, 250]
+    out = [harness.step([(prompt, 0, [5, 2])])]
+    for i, token in enumerate([7, 120, 31]):  # fixed tokens: no argmax near-ties
+        out.append(harness.step([([token], 5 + i, [5, 2])]))
+    return torch.cat(out)
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen2", "qwen3-tied", "mixtral"])
+def test_model_gemv_path_matches_torch_path(name, monkeypatch):
+    model = load_model(CONFIGS[name](), load_format="dummy", dtype=torch.float32, device="cpu")
+    _randomise_norms(model)
+    monkeypatch.setattr(fused_ops, "FUSED_ENABLED", False)
+    ref = _prefill_then_decodes(model)
+    monkeypatch.setattr(fused_ops, "FUSED_ENABLED", True)
+    monkeypatch.setattr(fused_ops, "use_fused", lambda t: True)  # CPU: interpreter
+    calls = []
+    real = gemv.gemv
+    monkeypatch.setattr(gemv, "gemv", lambda *a, **kw: calls.append(kw.get("epilogue")) or real(*a, **kw))
+    got = _prefill_then_decodes(model)
+    epilogues = set(calls)
+    assert "residual" in epilogues and None in epilogues  # o_proj/down, LM head
+    if name in ("llama", "qwen2"):
+        assert {"rope", "silu"} <= epilogues
+    torch.testing.assert_close(got, ref, rtol=0, atol=5e-5)
+    assert ref.std() > 0.1
+
+
+# ---------------------------------------------------------------------------------------
+# GPU: the real shapes
+
+GPU_SHAPES = [  # (name, rows, K, epilogue, head_dim)
+    ("llama qkv", 6144, 4096, "rope", 128), ("llama o_proj", 4096, 4096, "residual", 0),
+    ("llama gate_up", 28672, 4096, "silu", 0), ("llama down", 4096, 14336, "residual", 0),
+    ("qwen3 qkv", 4096, 1024, "none", 0), ("qwen3 lm_head", 151936, 1024, "none", 0),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("name,rows,k,epilogue,head_dim", GPU_SHAPES)
+def test_gpu_shapes(name, rows, k, epilogue, head_dim, dtype):
+    dev = "cuda"
+    x = _randn(1, k, seed=1, dtype=dtype, device=dev)
+    w = _randn(rows, k, seed=2, dtype=dtype, device=dev, scale=k**-0.5)
+    g = (1.0 + 0.1 * _randn(k, seed=3)).to(dtype).to(dev)
+    kw = {"norm_weight": g, "eps": 1e-5} if epilogue in ("rope", "silu") else {}
+    normed = _rms(x, g, 1e-5).float() if kw else x.float()
+    ref = F.linear(normed, w.float())
+    if epilogue == "rope":
+        rope = RotaryEmbedding(head_dim, head_dim, 2048, {"rope_type": "default",
+                                                          "rope_theta": 5e5}).to(dev)
+        pos = torch.tensor([1000], device=dev)
+        kw.update(positions=pos, cos_sin_cache=rope.cos_sin_cache, head_dim=head_dim,
+                  num_rope_heads=40)
+        ref = _rope_ref(ref, pos, rope.cos_sin_cache, 32, 8, head_dim)
+    elif epilogue == "silu":
+        gate, up = ref.chunk(2, dim=-1)
+        ref = F.silu(gate) * up
+    elif epilogue == "residual":
+        r = _randn(1, rows, seed=4, dtype=dtype, device=dev)
+        kw["residual"] = r
+        ref = ref + r.float()
+    got = gemv.gemv(x, w, epilogue=epilogue, **kw).float()
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got, ref, rtol=tol, atol=tol)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 8, 16])
+@pytest.mark.parametrize("epilogue", ["residual", "silu"])
+def test_gpu_dot_kernel_tokens(m, epilogue):
+    """The tensor-core kernel on a llama-3-8b shape, bf16, up to 16 token rows."""
+    dev, rows, k = "cuda", 4096, 4096
+    x = _randn(m, k, seed=1, dtype=torch.bfloat16, device=dev)
+    w = _randn(rows, k, seed=2, dtype=torch.bfloat16, device=dev, scale=k**-0.5)
+    g = (1.0 + 0.1 * _randn(k, seed=3)).to(torch.bfloat16).to(dev)
+    r = _randn(m, rows, seed=4, dtype=torch.bfloat16, device=dev)
+    if epilogue == "silu":
+        gate, up = F.linear(_rms(x, g, 1e-5).float(), w.float()).chunk(2, dim=-1)
+        ref = F.silu(gate) * up
+        got = gemv.gemv(x, w, norm_weight=g, eps=1e-5, epilogue="silu",
+                        config=(32, 256, 4, 3, 1))
+    else:
+        ref = F.linear(x.float(), w.float()) + r.float()
+        got = gemv.gemv(x, w, epilogue="residual", residual=r, config=(32, 256, 4, 3, 1))
+    torch.testing.assert_close(got.float(), ref, rtol=2e-2, atol=2e-2)
