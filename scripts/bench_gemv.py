@@ -137,7 +137,7 @@ def bench_shape(name, rows, k, epilogue, has_norm, head_dim, rope_heads, m, bw, 
            "weight_bytes": case.weight_bytes, "cublas_ms": cublas_ms, "unfused_ms": unfused_ms,
            "fused": best, "best_by_kernel": by_kernel, "configs_that_failed_to_run": failed, "cublas_of_read_bw": gbps(cublas_ms) / bw,
            "fused_of_read_bw": gbps(best["time_ms"]) / bw,
-           "key": gemv.config_key(epilogue, has_norm, rows, k, m)}
+           "key": gemv.config_key(epilogue, has_norm, rows, k, m, torch.bfloat16)}
     print(f"{name:>14} m={m} {rows:>6}x{k:<6} cuBLAS {cublas_ms * 1e3:6.1f} us "
           f"({row['cublas_of_read_bw']:.0%}) unfused chain {unfused_ms * 1e3:6.1f} us | fused "
           f"{epilogue}{'+norm' if has_norm else ''} {best['time_ms'] * 1e3:6.1f} us "

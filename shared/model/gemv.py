@@ -227,8 +227,10 @@ def _config_table(device_name: str) -> dict[str, list[int]]:
     return json.loads(_CONFIG_FILE.read_text()).get(device_name, {})
 
 
-def config_key(epilogue: str, has_norm: bool, rows: int, k: int, m: int) -> str:
-    return f"{epilogue}{'+norm' if has_norm else ''}:{rows}x{k}:m{m}"
+def config_key(epilogue: str, has_norm: bool, rows: int, k: int, m: int,
+               dtype: torch.dtype) -> str:
+    # The dtype is part of the key: a tile tuned for bf16 may not fit shared memory in fp32.
+    return f"{epilogue}{'+norm' if has_norm else ''}:{rows}x{k}:m{m}:{str(dtype)[6:]}"
 
 
 def _config_for(x: torch.Tensor, key: str, override) -> tuple[int, int, int, int, int]:
@@ -269,7 +271,7 @@ def gemv(
     out = torch.empty(num_tokens, n_out, dtype=x.dtype, device=x.device)
     if num_tokens == 0:
         return out
-    key = config_key(epilogue, norm_weight is not None, rows, k, num_tokens)
+    key = config_key(epilogue, norm_weight is not None, rows, k, num_tokens, x.dtype)
     block_n, block_k, num_warps, num_stages, use_dot = _config_for(x, key, config)
     if use_dot:
         block_n = max(block_n, 16)  # tl.dot's smallest tile

@@ -202,3 +202,19 @@ def test_gpu_dot_kernel_tokens(m, epilogue):
         ref = F.linear(x.float(), w.float()) + r.float()
         got = gemv.gemv(x, w, epilogue="residual", residual=r, config=(32, 256, 4, 3, 1))
     torch.testing.assert_close(got.float(), ref, rtol=2e-2, atol=2e-2)
+
+
+def test_config_table_is_well_formed():
+    """The committed launch table (written by scripts/bench_gemv.py): every entry names a
+    real key and a runnable config shape; the llama-3-8b decode shapes are all tuned."""
+    table = gemv._config_table("NVIDIA H200")
+    for key, cfg in table.items():
+        assert len(cfg) == 5 and cfg[0] >= 1 and cfg[1] >= 16 and cfg[4] in (0, 1), (key, cfg)
+        assert cfg[4] == 0 or cfg[0] >= 16, (key, cfg)  # tl.dot's smallest tile
+    bf16 = torch.bfloat16
+    for key in [gemv.config_key("rope", True, 6144, 4096, 1, bf16),
+                gemv.config_key("residual", False, 4096, 4096, 1, bf16),
+                gemv.config_key("silu", True, 28672, 4096, 1, bf16),
+                gemv.config_key("residual", False, 4096, 14336, 1, bf16),
+                gemv.config_key("none", False, 128256, 4096, 1, bf16)]:
+        assert key in table, key
