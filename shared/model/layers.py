@@ -63,7 +63,7 @@ class Linear(nn.Module):
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dim() == 2 and x.stride(-1) == 1 and gemv.use_gemv(x):
+        if x.dim() == 2 and x.stride(-1) == 1 and x.dtype == self.weight.dtype and gemv.use_gemv(x):
             return gemv.gemv(x, self.weight, self.bias)  # batch-1 decode (e.g. the LM head)
         return F.linear(x, self.weight, self.bias)
 
