@@ -18,7 +18,7 @@ import torch
 
 from runner_v1.buffers import CpuGpuBuffer
 from runner_v1.input_batch import InputBatch
-from shared.attention.metadata import CommonAttentionMetadata
+from shared.attention.metadata import CommonAttentionMetadata, count_leading_decodes
 
 
 class InputBuffers:
@@ -124,12 +124,6 @@ def fill_seq_lens(
     n = num_scheduled.shape[0]
     np.add(num_computed[:n], num_scheduled, out=out[:n])
     out[n:] = 0
-
-
-def count_leading_decodes(num_scheduled: np.ndarray) -> int:
-    """Rows with query length 1 at the front (the batch is reordered decodes-first)."""
-    not_decode = num_scheduled != 1
-    return int(np.argmax(not_decode)) if not_decode.any() else int(num_scheduled.shape[0])
 
 
 def gather_input_ids(

@@ -25,6 +25,7 @@ import torch
 
 from runner_v2.states import RequestState
 from runner_v2.uva import async_copy_to_device
+from shared.attention.metadata import count_leading_decodes
 from shared.triton_utils import tl, triton
 
 _BLOCK = 1024
@@ -198,7 +199,7 @@ def prepare_inputs(
 
     seq_lens_np = np.zeros(num_reqs_padded, dtype=np.int32)
     seq_lens_np[:num_reqs] = nc_np + num_scheduled_tokens_np
-    num_decodes = _num_leading_decodes(num_scheduled_tokens_np)
+    num_decodes = count_leading_decodes(num_scheduled_tokens_np)
     max_query_len = int(num_scheduled_tokens_np.max()) if num_reqs else 0
     return InputBatch(
         req_ids=list(req_ids),
@@ -222,11 +223,6 @@ def prepare_inputs(
         num_decode_tokens=num_decodes,
         is_uniform_decode=num_reqs > 0 and max_query_len == 1,
     )
-
-
-def _num_leading_decodes(num_scheduled_tokens_np: np.ndarray) -> int:
-    not_decode = np.flatnonzero(num_scheduled_tokens_np != 1)
-    return int(not_decode[0]) if not_decode.size else int(num_scheduled_tokens_np.shape[0])
 
 
 def _launch_prepare_inputs(

@@ -4,11 +4,19 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 # Slot id for a token that must not be written to the KV cache (padding). Every KV
 # write skips negative slots; NumPy/PyTorch would otherwise read -1 as "the last row".
 PAD_SLOT_ID = -1
+
+
+def count_leading_decodes(num_scheduled: np.ndarray) -> int:
+    """Rows with query length 1 at the front of a batch both runners order decodes-first:
+    the `num_decodes` of the metadata."""
+    not_decode = np.flatnonzero(num_scheduled != 1)
+    return int(not_decode[0]) if not_decode.size else int(num_scheduled.shape[0])
 
 
 @dataclass

@@ -8,7 +8,6 @@ from runner_v1.input_batch import InputBatch
 from runner_v1.prepare_inputs import (
     InputBuffers,
     compute_req_indices,
-    count_leading_decodes,
     cumsum_and_arange,
     prepare_inputs,
 )
@@ -150,12 +149,6 @@ def test_matches_the_oracle_and_pads_after_a_larger_step(seed):
         np.testing.assert_array_equal(device_table[:num_reqs].numpy(),
                                       batch.block_table.np[:num_reqs])
         assert not device_table[num_reqs:].any()
-
-
-def test_leading_decodes():
-    assert count_leading_decodes(np.array([1, 1, 3, 1])) == 2
-    assert count_leading_decodes(np.array([1, 1])) == 2
-    assert count_leading_decodes(np.array([4, 1])) == 0
 
 
 def test_common_attn_metadata():
