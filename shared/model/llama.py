@@ -91,15 +91,7 @@ class LlamaAttention(nn.Module):
         q/k norm (Qwen3) and RoPE."""
         qkv = self.qkv_proj(hidden_states)
         if fused_ops.use_fused(qkv):
-            # One launch: q/k norm (Qwen3) + RoPE in place in qkv; q, k, v are its slices.
-            rope = self.rotary_emb
-            return fused_ops.qk_norm_rope(
-                qkv, positions, rope.cos_sin_cache,
-                self.num_heads, self.num_kv_heads, self.head_dim, rope.rotary_dim,
-                None if self.q_norm is None else self.q_norm.weight,
-                None if self.k_norm is None else self.k_norm.weight,
-                0.0 if self.q_norm is None else self.q_norm.eps,
-            )
+            return self._norm_rope_fused(positions, qkv)
         return self._norm_rope_torch(positions, qkv)
 
     def post_attention(self, attn_output: torch.Tensor) -> torch.Tensor:
@@ -120,6 +112,13 @@ class LlamaAttention(nn.Module):
             )
             return qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         qkv = gemv.gemv(stream, proj.weight, proj.bias, norm_weight=norm.weight, eps=norm.eps)
+        return self._norm_rope_fused(positions, qkv)
+
+    def _norm_rope_fused(
+        self, positions: torch.Tensor, qkv: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """One launch: q/k norm (Qwen3) + RoPE in place in qkv; q, k, v are its slices."""
+        rope = self.rotary_emb
         return fused_ops.qk_norm_rope(
             qkv, positions, rope.cos_sin_cache,
             self.num_heads, self.num_kv_heads, self.head_dim, rope.rotary_dim,
