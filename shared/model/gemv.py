@@ -6,8 +6,9 @@ o_proj) at 61-77% of the read bandwidth and splits K behind an extra reduction k
 and each of the decoder's ~13 kernels per layer pays launch latency and a tail. Here a
 program owns BLOCK_N output rows over the whole of K (each weight row read once, no
 split-K), with either FMAs (USE_DOT=0) or a tensor-core dot against the token rows padded
-to 16 (USE_DOT=1, whose operands Triton pipelines through shared memory); the table
-below picks per shape. The ops around a GEMV ride along in its prologue or epilogue:
+to 16 (USE_DOT=1); the table below picks per shape. (Neither kernel's sm_90 PTX, compiled
+with Triton 3.9, has a cp.async: the weight loads are plain global loads, and the
+bandwidth comes from many programs in flight, not from a shared-memory pipeline.) The ops around a GEMV ride along in its prologue or epilogue:
 
 - NORM prologue: RMSNorm of the input, folded into the dot product:
   y = rstd * sum_k W[n, k] * (x_k * g_k), with sum_k x_k^2 accumulated in the same pass,
@@ -151,7 +152,6 @@ def _gemv_kernel(
     w_b = w_ptr + rows_b[:, None].to(tl.int64) * K
     if USE_DOT:
         # All tokens in one pass over the weight: [BLOCK_N, BLOCK_K] @ [BLOCK_K, BLOCK_M].
-        # Triton pipelines dot operands through shared memory (num_stages tiles in flight).
         offs_m = tl.arange(0, BLOCK_M)
         acc_a = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
         acc_b = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
