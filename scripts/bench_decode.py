@@ -1,9 +1,10 @@
 """Decode step time vs the HBM floor, both runners side by side (issue: CUDA graphs).
 
-  python3 scripts/bench_decode.py --out decode.json [--quick]
+  python3 scripts/bench_decode.py --out decode.json [--steps N] [--skip-llama] [--skip-qwen]
 
 1. llama-3-8b shape, dummy bf16 weights, batch 1, context 1024, FULL graphs:
-   step time against floor = non-embedding weight bytes / measured read bandwidth.
+   step time against floor = non-embedding weight bytes / measured read bandwidth, for
+   V1, V2, V2 with async scheduling, and V1 with the fused GEMVs off ("v1-cublas").
 2. qwen3-0.6b shape, batch 1 / 64 / 256 / 512: GPU and wall step time per runner,
    graphs vs eager, and the launch-bound gap at batch 1.
 """
