@@ -132,6 +132,10 @@ def bench_shape(name, rows, k, epilogue, has_norm, head_dim, rope_heads, m, bw, 
             by_kernel[kind] = result
         if best is None or ms < best["time_ms"]:
             best = result
+    # The winner once more without programmatic dependent launch (gemv.PDL_ENABLED).
+    gemv.PDL_ENABLED = False
+    best["time_ms_without_pdl"] = timed(case.fused(best["config"]))
+    gemv.PDL_ENABLED = True
     gbps = lambda ms: case.weight_bytes / ms / 1e6  # noqa: E731
     row = {"shape": name, "rows": rows, "K": k, "m": m, "epilogue": epilogue, "norm": has_norm,
            "weight_bytes": case.weight_bytes, "cublas_ms": cublas_ms, "unfused_ms": unfused_ms,
@@ -141,7 +145,8 @@ def bench_shape(name, rows, k, epilogue, has_norm, head_dim, rope_heads, m, bw, 
     print(f"{name:>14} m={m} {rows:>6}x{k:<6} cuBLAS {cublas_ms * 1e3:6.1f} us "
           f"({row['cublas_of_read_bw']:.0%}) unfused chain {unfused_ms * 1e3:6.1f} us | fused "
           f"{epilogue}{'+norm' if has_norm else ''} {best['time_ms'] * 1e3:6.1f} us "
-          f"({row['fused_of_read_bw']:.0%}) config {best['config']}"
+          f"({row['fused_of_read_bw']:.0%}) config {best['config']} "
+          f"(without PDL {best['time_ms_without_pdl'] * 1e3:.1f} us)"
           + "".join(f" | best {k} {v['time_ms'] * 1e3:.1f} us" for k, v in by_kernel.items()),
           flush=True)
     return row
