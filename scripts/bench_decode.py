@@ -24,7 +24,7 @@ from shared.bench.measure import measure_read_bandwidth, run_decode
 from shared.engine import LLMEngine
 from shared.model import gemv
 
-LLAMA_RUNNERS = ("v1-cublas", "v1-nopdl", "v1-nomerge", "v1", "v2", "v2-async")
+LLAMA_RUNNERS = ("v1-cublas", "v1-nopdl", "v1-nomerge", "v1-nokvwrite", "v1", "v2", "v2-async")
 
 
 def make_engine(model: str, runner: str, eager: bool, max_num_seqs: int, sizes: list[int],
@@ -38,6 +38,7 @@ def make_engine(model: str, runner: str, eager: bool, max_num_seqs: int, sizes: 
     gemv.ENABLED = mode != "cublas"
     gemv.PDL_ENABLED = mode != "nopdl"  # "-nopdl": fused GEMVs without programmatic launch
     tua.FUSE_SPLIT_MERGE = mode != "nomerge"  # "-nomerge": the separate split-reduce kernel
+    gemv.FUSE_KV_WRITE = mode != "nokvwrite"  # "-nokvwrite": the separate KV-write kernel
     args = EngineArgs(
         async_scheduling=mode == "async",
         model=model, load_format="dummy", dtype="bfloat16", device="cuda", seed=0,
@@ -79,7 +80,7 @@ def llama_batch1(bw: float, steps: int) -> dict:
         result["floor_ms"] = floor_ms
         tokens[runner] = toks
         free(engine)
-    gemv.ENABLED = gemv.PDL_ENABLED = tua.FUSE_SPLIT_MERGE = True
+    gemv.ENABLED = gemv.PDL_ENABLED = gemv.FUSE_KV_WRITE = tua.FUSE_SPLIT_MERGE = True
     # The run ends in an abort: the async engine drops the token it had in flight, so
     # its lists may be one token shorter (a prefix of the synchronous ones).
     ref, late = tokens["v1"], tokens["v2-async"]
