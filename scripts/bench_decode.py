@@ -19,6 +19,7 @@ import time
 
 import torch
 
+from shared import triton_utils
 from shared.attention import triton_unified_attention as tua
 from shared.bench.measure import measure_read_bandwidth, run_decode
 from shared.engine import LLMEngine
@@ -36,7 +37,7 @@ def make_engine(model: str, runner: str, eager: bool, max_num_seqs: int, sizes: 
 
     runner, _, mode = runner.partition("-")
     gemv.ENABLED = mode != "cublas"
-    gemv.PDL_ENABLED = mode != "nopdl"  # "-nopdl": fused GEMVs without programmatic launch
+    triton_utils.PDL_ENABLED = mode != "nopdl"  # "-nopdl": no programmatic dependent launch
     tua.FUSE_SPLIT_MERGE = mode != "nomerge"  # "-nomerge": the separate split-reduce kernel
     gemv.FUSE_KV_WRITE = mode != "nokvwrite"  # "-nokvwrite": the separate KV-write kernel
     args = EngineArgs(
@@ -80,7 +81,7 @@ def llama_batch1(bw: float, steps: int) -> dict:
         result["floor_ms"] = floor_ms
         tokens[runner] = toks
         free(engine)
-    gemv.ENABLED = gemv.PDL_ENABLED = gemv.FUSE_KV_WRITE = tua.FUSE_SPLIT_MERGE = True
+    gemv.ENABLED = gemv.FUSE_KV_WRITE = tua.FUSE_SPLIT_MERGE = triton_utils.PDL_ENABLED = True
     # The run ends in an abort: the async engine drops the token it had in flight, so
     # its lists may be one token shorter (a prefix of the synchronous ones).
     ref, late = tokens["v1"], tokens["v2-async"]

@@ -26,6 +26,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from shared import triton_utils  # noqa: E402
 from shared.bench.measure import graph_time_ms, measure_read_bandwidth  # noqa: E402
 from shared.model import fused_ops, gemv  # noqa: E402
 from shared.model.layers import RotaryEmbedding  # noqa: E402
@@ -132,10 +133,10 @@ def bench_shape(name, rows, k, epilogue, has_norm, head_dim, rope_heads, m, bw, 
             by_kernel[kind] = result
         if best is None or ms < best["time_ms"]:
             best = result
-    # The winner once more without programmatic dependent launch (gemv.PDL_ENABLED).
-    gemv.PDL_ENABLED = False
+    # The winner once more without programmatic dependent launch.
+    triton_utils.PDL_ENABLED = False
     best["time_ms_without_pdl"] = timed(case.fused(best["config"]))
-    gemv.PDL_ENABLED = True
+    triton_utils.PDL_ENABLED = True
     gbps = lambda ms: case.weight_bytes / ms / 1e6  # noqa: E731
     row = {"shape": name, "rows": rows, "K": k, "m": m, "epilogue": epilogue, "norm": has_norm,
            "weight_bytes": case.weight_bytes, "cublas_ms": cublas_ms, "unfused_ms": unfused_ms,

@@ -141,7 +141,13 @@ def paged_attention_kernel(
     DOT_DTYPE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     FUSED_MERGE: tl.constexpr = False,  # the last split to finish merges (no reduce kernel)
+    USE_PDL: tl.constexpr = False,  # launched with programmatic dependent launch (sm_90+)
 ):
+    if USE_PDL:
+        # Launched while the kernel before drains: wait for its writes (q, and K/V when the
+        # qkv GEMV stores them), then let the next kernel launch in turn.
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)

@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 
 from shared.model import fused_ops
-from shared.triton_utils import INTERPRET, tl, triton
+from shared.triton_utils import tl, triton, use_pdl
 
 # Token counts up to this take the GEMV path. Measured (docs/results, h200_gemv.log): with
 # the M=1 configs a layer's fused GEMVs are only 1-3% faster than cuBLAS + separate kernels
@@ -43,9 +43,6 @@ from shared.triton_utils import INTERPRET, tl, triton
 MAX_TOKENS = 1
 # Module switch (benchmarks and tests flip it): False = cuBLAS + separate kernels.
 ENABLED = True
-# Programmatic dependent launch on sm_90+: each GEMV launches while the kernel before it
-# drains and loads its first weight tile before waiting for that kernel's output.
-PDL_ENABLED = True
 # The qkv GEMV's RoPE epilogue also stores k and v into the paged KV cache (one kernel
 # less per layer); the attention layer then skips its own write.
 FUSE_KV_WRITE = True
@@ -340,15 +337,6 @@ def _dot_tile(acc_a, acc_b, sum_sq, wa, wb, x_ptr, offs_m, stride_x, norm_w_ptr,
     return acc_a, acc_b, sum_sq
 
 
-def _use_pdl(x: torch.Tensor) -> bool:
-    return PDL_ENABLED and x.is_cuda and not INTERPRET and _capability(x.device) >= (9, 0)
-
-
-@functools.cache
-def _capability(device: torch.device) -> tuple[int, int]:
-    return torch.cuda.get_device_capability(device)
-
-
 @functools.cache
 def _config_table(device_name: str) -> dict[str, list[int]]:
     if not _CONFIG_FILE.exists():
@@ -427,9 +415,9 @@ def gemv(
     else:
         key_cache = value_cache = slot_mapping = x
         num_q_heads, cache_strides = 0, (0, 0, 0, 0)
-    use_pdl = _use_pdl(x)
+    pdl = use_pdl(x)
     extra = {"num_warps": num_warps, "num_stages": num_stages} if x.is_cuda else {}
-    if use_pdl:
+    if pdl:  # launched while the previous kernel drains; see _wait_for_inputs
         extra["launch_pdl"] = True
     _gemv_kernel[grid](
         x, weight, x if bias is None else bias, x if norm_weight is None else norm_weight,
@@ -445,7 +433,7 @@ def gemv(
         BLOCK_M=max(16, triton.next_power_of_2(num_tokens)), IEEE=x.dtype == torch.float32,
         HAS_BIAS=bias is not None, HAS_NORM=norm_weight is not None,
         EPILOGUE=_EPILOGUES[epilogue], HEAD_DIM=head_dim, NUM_ROPE_HEADS=num_rope_heads,
-        USE_PDL=use_pdl, NUM_Q_HEADS=num_q_heads, WRITE_KV=kv_cache is not None,
+        USE_PDL=pdl, NUM_Q_HEADS=num_q_heads, WRITE_KV=kv_cache is not None,
         KV_BLOCK_SIZE=key_cache.shape[1] if kv_cache is not None else 1, **extra,
     )
     return out

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
+from shared import triton_utils
 from shared.model import fused_ops, gemv, load_model
 from shared.model.layers import RotaryEmbedding
 from tests.shared.test_fused_ops import _randomise_norms
@@ -242,7 +243,7 @@ def test_gpu_pdl_chain_in_a_graph_matches_plain_launches(monkeypatch):
 
     results = {}
     for pdl in (False, True):
-        monkeypatch.setattr(gemv, "PDL_ENABLED", pdl)
+        monkeypatch.setattr(triton_utils, "PDL_ENABLED", pdl)
         layer()
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
