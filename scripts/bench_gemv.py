@@ -6,7 +6,7 @@ Each configuration is checked against float32 math before it is timed. Times are
 call from a CUDA graph of back-to-back calls, as the runners replay decode, over enough
 distinct weight copies (like distinct layers) that nothing is served from L2.
 
-  python3 scripts/bench_gemv.py --out gemv.json [--configs-out gemv_configs.json]
+  python3 scripts/bench_gemv.py --out gemv.json [--configs-out gemv_configs.json] [--token-rows]
 
 On a machine without a GPU, `--check` runs the kernel under the Triton interpreter on a
 small shape against F.linear (correctness only; tests/shared/test_gemv.py is thorough).
@@ -167,6 +167,8 @@ def main() -> int:
     p.add_argument("--configs-out", type=Path, default=None,
                    help="write the best config per shape (gemv_configs.json's format)")
     p.add_argument("--check", action="store_true", help="interpreter correctness check only")
+    p.add_argument("--token-rows", action="store_true",
+                   help="also time 2-16 token rows on the llama shapes (where MAX_TOKENS comes from)")
     args = p.parse_args()
     if args.check or not torch.cuda.is_available():
         check_on_cpu()
@@ -178,21 +180,22 @@ def main() -> int:
     for shape in SHAPES:
         rows.append(bench_shape(*shape, 1, bw))
         torch.cuda.empty_cache()  # the last shape's weight copies
-    # More token rows, tensor-core kernel with the best M=1 dot config: where the GEMV path
-    # stops paying against cuBLAS (MAX_TOKENS).
-    best_dot = {r["shape"]: r["best_by_kernel"]["dot"]["config"] for r in rows}
-    for shape in SHAPES[:4]:
-        for m in (2, 4, 8, 16):
-            rows.append(bench_shape(*shape, m, bw, sweep=False, config=best_dot[shape[0]]))
+    if args.configs_out:  # now, not at the end: a run cut short keeps its tuned table
+        # Merged into the file: other devices' tables stay.
+        tables = json.loads(args.configs_out.read_text()) if args.configs_out.exists() else {}
+        tables[gpu] = {r["key"]: r["fused"]["config"] for r in rows}
+        args.configs_out.write_text(json.dumps(tables, indent=1, sort_keys=True) + "\n")
+    if args.token_rows:
+        # More token rows, tensor-core kernel with the best M=1 dot config: where the GEMV
+        # path stops paying against cuBLAS (MAX_TOKENS).
+        best_dot = {r["shape"]: r["best_by_kernel"]["dot"]["config"] for r in rows}
+        for shape in SHAPES[:4]:
+            for m in (2, 4, 8, 16):
+                rows.append(bench_shape(*shape, m, bw, sweep=False, config=best_dot[shape[0]]))
     report = {"command": "python3 scripts/bench_gemv.py " + " ".join(sys.argv[1:]),
               "gpu": gpu, "read_bandwidth_GBps": bw, "rows": rows}
     if args.out:
         args.out.write_text(json.dumps(report, indent=1))
-    if args.configs_out:
-        # Merged into the file: other devices' tables stay.
-        tables = json.loads(args.configs_out.read_text()) if args.configs_out.exists() else {}
-        tables[gpu] = {r["key"]: r["fused"]["config"] for r in rows if r["m"] == 1}
-        args.configs_out.write_text(json.dumps(tables, indent=1, sort_keys=True) + "\n")
     return 0
 
 
