@@ -4,7 +4,8 @@
 
 1. llama-3-8b shape, dummy bf16 weights, batch 1, context 1024, FULL graphs:
    step time against floor = non-embedding weight bytes / measured read bandwidth, for
-   V1, V2, V2 with async scheduling, and V1 with the fused GEMVs off ("v1-cublas").
+   V1, V2, V2 with async scheduling, V1 with the fused GEMVs off ("v1-cublas") and V1
+   without programmatic dependent launch ("v1-nopdl").
 2. qwen3-0.6b shape, batch 1 / 64 / 256 / 512: GPU and wall step time per runner,
    graphs vs eager, and the launch-bound gap at batch 1.
 """
@@ -21,32 +22,28 @@ import time
 import torch
 
 from shared import triton_utils
-from shared.attention import triton_unified_attention as tua
 from shared.bench.measure import measure_read_bandwidth, run_decode
 from shared.engine import LLMEngine
 from shared.model import gemv
 
-LLAMA_RUNNERS = ("v1-cublas", "v1-nopdl", "v1-nomerge", "v1-nokvwrite", "v1", "v2", "v2-async")
+LLAMA_RUNNERS = ("v1-cublas", "v1-nopdl", "v1", "v2", "v2-async")
 
 
 def make_engine(model: str, runner: str, eager: bool, max_num_seqs: int, sizes: list[int],
                 max_model_len: int, blocks: int) -> LLMEngine:
     """runner: "v1" or "v2", then optionally "-" and modes joined by "+", each for the
     engine's graph capture and every step after it: "async" (the engine's async
-    scheduling), "cublas" (batch-1 fused GEMV path off: cuBLAS + separate kernels), "nopdl"
-    (no programmatic dependent launch), "nomerge" (the separate split-reduce kernel),
-    "nokvwrite" (the separate KV-write kernel). E.g. "v1-nomerge+nokvwrite"."""
+    scheduling), "cublas" (batch-1 fused GEMV path off: cuBLAS + separate kernels), or "nopdl"
+    (no programmatic dependent launch). E.g. "v1-cublas+nopdl"."""
     from policy import EngineArgs
 
     runner, _, mode = runner.partition("-")
     modes = set(mode.split("+")) - {""}
-    unknown = modes - {"async", "cublas", "nopdl", "nomerge", "nokvwrite"}
+    unknown = modes - {"async", "cublas", "nopdl"}
     if unknown:
         raise ValueError(f"bench_decode --rows: unknown mode(s) {sorted(unknown)} in {runner}-{mode}")
     gemv.ENABLED = "cublas" not in modes
     triton_utils.PDL_ENABLED = "nopdl" not in modes
-    tua.FUSE_SPLIT_MERGE = "nomerge" not in modes
-    gemv.FUSE_KV_WRITE = "nokvwrite" not in modes
     args = EngineArgs(
         async_scheduling="async" in modes,
         model=model, load_format="dummy", dtype="bfloat16", device="cuda", seed=0,
@@ -70,7 +67,7 @@ def llama_row(runner: str, bw: float, steps: int) -> tuple[dict, dict]:
     weight_bytes = engine.runner.executor.weight_bytes(include_embedding=False)
     samples, steady_ms, tokens = run_decode(engine, 1, 1024, warmup=10, steps=steps, tag="r")
     free(engine)
-    gemv.ENABLED = gemv.FUSE_KV_WRITE = tua.FUSE_SPLIT_MERGE = triton_utils.PDL_ENABLED = True
+    gemv.ENABLED = triton_utils.PDL_ENABLED = True
     s = samples.summary()
     floor_ms = weight_bytes / bw * 1e3
     gpu_ms = s["forward_gpu_ms"]["median"]

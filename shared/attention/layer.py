@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 from torch import nn
 
@@ -29,26 +27,12 @@ class Attention(nn.Module):
         self.layer_name = layer_name
         self.kv_cache: torch.Tensor | None = None  # [2, num_blocks, block_size, Hkv, D]
         self.impl = None  # set by bind_backend
-        # Set by a model whose projection epilogue stores K/V itself for some steps:
-        # q -> True when it did for this step (decided from q alone, so the captured
-        # segment before attention and the eager attention after it always agree).
-        self.kv_written_upstream: Callable[[torch.Tensor], bool] | None = None
 
     def bind_backend(self, backend) -> None:
         self.impl = backend.make_impl(self.num_heads, self.head_dim, self.num_kv_heads, self.scale)
 
     def bind_kv_cache(self, kv_cache: torch.Tensor) -> None:
         self.kv_cache = kv_cache
-
-    def kv_write_target(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-        """(key_cache, value_cache, slot_mapping) of this step, for a projection epilogue
-        that writes K/V itself; None when the step touches no cache (no metadata)."""
-        ctx = get_forward_context()
-        if ctx is None or ctx.attn_metadata is None or self.kv_cache is None:
-            return None
-        metadata = ctx.attn_metadata[self.layer_name]
-        common = getattr(metadata, "common", metadata)
-        return self.kv_cache[0], self.kv_cache[1], common.slot_mapping
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         num_tokens = q.shape[0]
@@ -64,7 +48,6 @@ class Attention(nn.Module):
         value = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         common = getattr(metadata, "common", metadata)
         key_cache, value_cache = self.kv_cache[0], self.kv_cache[1]
-        if self.kv_written_upstream is None or not self.kv_written_upstream(q):
-            write_kv(key, value, key_cache, value_cache, common.slot_mapping)
+        write_kv(key, value, key_cache, value_cache, common.slot_mapping)
         self.impl.forward(query, key_cache, value_cache, metadata, output)
         return output.view(num_tokens, -1)

@@ -121,7 +121,7 @@ def paged_attention(
         min_q = 2 if run_single_query else 1
         out = launch.tensors[0]
         paged_attention_kernel[grid](
-            *launch.tensors, out, out, out, out, *launch.runtime, **launch.consts,
+            *launch.tensors, out, out, out, *launch.runtime, **launch.consts,
             BLOCK_M=cfg.block_m, BLOCK_Q=cfg.block_q, TILE_N=cfg.tile_n,
             SINGLE_QUERY=False, MIN_QUERY_LEN=min_q, NUM_SPLITS=1,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
@@ -150,16 +150,13 @@ def _launch_single_query(
         part_sum = torch.empty_like(part_max)
     else:  # never touched: NUM_SPLITS == 1 compiles the partial stores away
         part_out = part_max = part_sum = output
-    fused = num_splits > 1 and FUSE_SPLIT_MERGE and num_reqs * num_kv_heads <= _MAX_COUNTERS
-    counters = _split_counters(query.device) if fused else output
     paged_attention_kernel[(num_reqs, num_kv_heads, num_splits)](
-        *launch.tensors, part_out, part_max, part_sum, counters, *launch.runtime,
-        **launch.consts,
+        *launch.tensors, part_out, part_max, part_sum, *launch.runtime, **launch.consts,
         BLOCK_M=cfg.block_m, BLOCK_Q=1, TILE_N=cfg.tile_n,
-        SINGLE_QUERY=True, MIN_QUERY_LEN=1, NUM_SPLITS=num_splits, FUSED_MERGE=fused,
+        SINGLE_QUERY=True, MIN_QUERY_LEN=1, NUM_SPLITS=num_splits,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **_pdl_launch(query),
     )
-    if num_splits > 1 and not fused:
+    if num_splits > 1:
         seq_lens, query_start_loc = launch.tensors[5], launch.tensors[6]
         reduce_splits_kernel[(num_reqs, num_heads)](
             output, part_out, part_max, part_sum, seq_lens, query_start_loc,
@@ -173,23 +170,6 @@ def _launch_single_query(
 def _pdl_launch(query: torch.Tensor) -> dict:
     """The decode mapping is launched with programmatic dependent launch where available
     (it waits for its predecessor's writes first thing): its launch overlaps the tail of
-    the kernel before, typically the qkv GEMV."""
+    the kernel before, the KV-cache write."""
     return {"USE_PDL": True, "launch_pdl": True} if use_pdl(query) else {}
 
-
-# The last split of a (request, kv head) to finish merges all of them (FUSED_MERGE), found
-# by an arrival counter that the merging program zeroes again. One zeroed buffer per
-# device, allocated on first use (an eager step: the runners warm every size up before
-# capturing graphs) and shared by every layer, whose launches are ordered on the stream.
-FUSE_SPLIT_MERGE = True
-_MAX_COUNTERS = 1 << 16  # R x Hkv; larger batches use the separate reduce kernel
-_COUNTERS: dict[torch.device, torch.Tensor] = {}
-
-
-def _split_counters(device: torch.device) -> torch.Tensor:
-    if device not in _COUNTERS:
-        assert not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()), (
-            "split counters must be allocated before CUDA-graph capture (run a step eagerly)"
-        )
-        _COUNTERS[device] = torch.zeros(_MAX_COUNTERS, dtype=torch.int32, device=device)
-    return _COUNTERS[device]

@@ -119,7 +119,6 @@ def paged_attention_kernel(
     part_out_ptr,  # fp32 [R, H, NUM_SPLITS, D]: unnormalised split outputs
     part_max_ptr,  # fp32 [R, H, NUM_SPLITS]: running max, log2 domain
     part_sum_ptr,  # fp32 [R, H, NUM_SPLITS]: softmax denominators
-    counter_ptr,  # int32 [>= R * Hkv], zero between launches; read only when FUSED_MERGE
     qk_scale,  # softmax scale * log2(e)
     num_reqs,  # R (padded)
     stride_ot, stride_oh, stride_od,
@@ -140,12 +139,11 @@ def paged_attention_kernel(
     MIN_TILES_PER_SPLIT: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
-    FUSED_MERGE: tl.constexpr = False,  # the last split to finish merges (no reduce kernel)
     USE_PDL: tl.constexpr = False,  # launched with programmatic dependent launch (sm_90+)
 ):
     if USE_PDL:
-        # Launched while the kernel before drains: wait for its writes (q, and K/V when the
-        # qkv GEMV stores them), then let the next kernel launch in turn.
+        # Launched while the kernel before drains: wait for its writes (q, and the KV-cache
+        # write before it), then let the next kernel launch in turn.
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
     tile = tl.program_id(0)
@@ -218,13 +216,7 @@ def paged_attention_kernel(
         BLOCK_D, HEAD_DIM, TILE_N, KV_BLOCK_SIZE, DOT_DTYPE, DOT_PRECISION,
     )
 
-    # With FUSED_MERGE a request whose context fits one split writes its output directly.
-    direct = NUM_SPLITS == 1
-    if FUSED_MERGE:
-        if NUM_SPLITS > 1:
-            num_used = tl.cdiv(num_tiles, tiles_per_split)
-            direct = num_used == 1
-    if direct:
+    if NUM_SPLITS == 1:
         l_safe = tl.where(l_i == 0.0, 1.0, l_i)
         out = acc / l_safe[:, None]
         tl.store(
@@ -238,47 +230,6 @@ def paged_attention_kernel(
         tl.store(part_out_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=q_mask)
         tl.store(part_max_ptr + part, m_i, mask=row_valid)
         tl.store(part_sum_ptr + part, l_i, mask=row_valid)
-        if FUSED_MERGE:
-            # Every thread's partial stores happen before the ticket (barrier), and the
-            # ticket releases them at GPU scope; the last split's acquire sees them all.
-            tl.debug_barrier()
-            counter = counter_ptr + req.to(tl.int64) * tl.num_programs(1) + kv_head
-            ticket = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
-            if ticket == num_used - 1:
-                tl.store(counter, 0)  # zero again for the next launch (or graph replay)
-                base = (req.to(tl.int64) * num_heads + head) * NUM_SPLITS  # [BLOCK_M]
-                _merge_splits(output_ptr, part_out_ptr, part_max_ptr, part_sum_ptr, base,
-                              num_used, token, head, row_valid, offs_d, q_mask,
-                              stride_ot, stride_oh, stride_od, HEAD_DIM, BLOCK_M, BLOCK_D)
-
-
-@triton.jit
-def _merge_splits(output_ptr, part_out_ptr, part_max_ptr, part_sum_ptr, base, num_used,
-                  token, head, row_valid, offs_d, q_mask, stride_ot, stride_oh, stride_od,
-                  HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
-    """Softmax-merge splits 0..num_used-1 of the program's rows, in split order (so the
-    result does not depend on which split arrived last). Loads bypass L1 (.cg): the
-    partials were written by other programs."""
-    m_max = tl.full([BLOCK_M], float("-inf"), tl.float32).to(part_max_ptr.dtype.element_ty)
-    for s in range(0, num_used):
-        m_s = tl.load(part_max_ptr + base + s, mask=row_valid, other=float("-inf"),
-                      cache_modifier=".cg")
-        m_max = tl.maximum(m_max, m_s)
-    m_safe = tl.where(m_max == float("-inf"), 0.0, m_max)
-    denom = tl.zeros([BLOCK_M], tl.float32).to(m_max.dtype)
-    out = tl.zeros([BLOCK_M, BLOCK_D], tl.float32).to(m_max.dtype)
-    for s in range(0, num_used):
-        m_s = tl.load(part_max_ptr + base + s, mask=row_valid, other=float("-inf"),
-                      cache_modifier=".cg")
-        l_s = tl.load(part_sum_ptr + base + s, mask=row_valid, other=0.0, cache_modifier=".cg")
-        w = tl.math.exp2(m_s - m_safe)
-        denom += w * l_s
-        acc = tl.load(part_out_ptr + (base + s)[:, None] * HEAD_DIM + offs_d[None, :],
-                      mask=q_mask, other=0.0, cache_modifier=".cg")
-        out += acc * w[:, None]
-    out = out / tl.where(denom == 0.0, 1.0, denom)[:, None]
-    tl.store(output_ptr + token[:, None] * stride_ot + head[:, None] * stride_oh
-             + offs_d[None, :] * stride_od, out.to(output_ptr.dtype.element_ty), mask=q_mask)
 
 
 @triton.jit

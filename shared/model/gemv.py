@@ -43,9 +43,6 @@ from shared.triton_utils import tl, triton, use_pdl
 MAX_TOKENS = 1
 # Module switch (benchmarks and tests flip it): False = cuBLAS + separate kernels.
 ENABLED = True
-# The qkv GEMV's RoPE epilogue also stores k and v into the paged KV cache (one kernel
-# less per layer); the attention layer then skips its own write.
-FUSE_KV_WRITE = True
 
 _EPILOGUES = {"none": 0, "residual": 1, "silu": 2, "rope": 3}
 _CONFIG_FILE = Path(__file__).with_name("gemv_configs.json")
@@ -90,11 +87,8 @@ def _program_rows(pid, N_OUT, BLOCK_N: tl.constexpr, EPILOGUE: tl.constexpr,
 def _epilogue(y_a, y_b, m, rows_a, rows_b, row_mask, head, dims,
               bias_ptr, residual_ptr, out_ptr, positions_ptr, cos_sin_ptr,
               stride_r, stride_o, stride_cs,
-              key_cache_ptr, value_cache_ptr, slot_mapping_ptr,
-              stride_cb, stride_co, stride_ch, stride_cd,
               HAS_BIAS: tl.constexpr, EPILOGUE: tl.constexpr, HEAD_DIM: tl.constexpr,
-              NUM_ROPE_HEADS: tl.constexpr, NUM_Q_HEADS: tl.constexpr,
-              WRITE_KV: tl.constexpr, KV_BLOCK_SIZE: tl.constexpr):
+              NUM_ROPE_HEADS: tl.constexpr):
     """Token m's outputs from its float32 dot products y_a, y_b [BLOCK_N]."""
     dtype = out_ptr.dtype.element_ty
     if HAS_BIAS:
@@ -123,23 +117,6 @@ def _epilogue(y_a, y_b, m, rows_a, rows_b, row_mask, head, dims,
         out_b = tl.where(rotate, y_b * cos + y_a * sin, y_b)
         tl.store(out_row + rows_a, out_a.to(dtype))
         tl.store(out_row + rows_b, out_b.to(dtype))
-        if WRITE_KV:
-            # k and v heads also go straight into the paged cache at the token's slot
-            # (PAD slots, < 0, are skipped): the attention layer's KV write is not run.
-            slot = tl.load(slot_mapping_ptr + m)
-            if (slot >= 0) & (head >= NUM_Q_HEADS):
-                slot_base = ((slot // KV_BLOCK_SIZE) * stride_cb
-                             + (slot % KV_BLOCK_SIZE) * stride_co)
-                cache_a = dims * stride_cd
-                cache_b = (dims + half) * stride_cd
-                if head < NUM_ROPE_HEADS:
-                    k_ptr = key_cache_ptr + slot_base + (head - NUM_Q_HEADS) * stride_ch
-                    tl.store(k_ptr + cache_a, out_a.to(key_cache_ptr.dtype.element_ty))
-                    tl.store(k_ptr + cache_b, out_b.to(key_cache_ptr.dtype.element_ty))
-                else:
-                    v_ptr = value_cache_ptr + slot_base + (head - NUM_ROPE_HEADS) * stride_ch
-                    tl.store(v_ptr + cache_a, out_a.to(value_cache_ptr.dtype.element_ty))
-                    tl.store(v_ptr + cache_b, out_b.to(value_cache_ptr.dtype.element_ty))
 
 
 @triton.jit
@@ -152,12 +129,8 @@ def _gemv_kernel(
     out_ptr,  # [M, N_OUT]
     positions_ptr,  # int [M]; read only by the ROPE epilogue
     cos_sin_ptr,  # [max_position, HEAD_DIM]: cos | sin; read only by ROPE
-    key_cache_ptr,  # [num_blocks, block_size, Hkv, D]; written only when WRITE_KV
-    value_cache_ptr,  # same layout and strides as key_cache
-    slot_mapping_ptr,  # int64 [>= M]; read only when WRITE_KV
     N_OUT,  # output columns (SILU: the intermediate size; its weight has 2 * N_OUT rows)
     stride_x, stride_r, stride_o, stride_cs,
-    stride_cb, stride_co, stride_ch, stride_cd,  # KV cache: block, slot in block, head, dim
     eps,
     K: tl.constexpr,
     M: tl.constexpr,
@@ -172,9 +145,6 @@ def _gemv_kernel(
     HEAD_DIM: tl.constexpr,  # ROPE only
     NUM_ROPE_HEADS: tl.constexpr,  # ROPE: q + k heads (rotated); the v heads after are not
     USE_PDL: tl.constexpr,  # launched with programmatic dependent launch (sm_90+)
-    NUM_Q_HEADS: tl.constexpr = 0,  # ROPE + WRITE_KV: heads before the k heads
-    WRITE_KV: tl.constexpr = False,  # ROPE: store k and v into the paged cache too
-    KV_BLOCK_SIZE: tl.constexpr = 1,
 ):
     rows_a, rows_b, row_mask, head, dims = _program_rows(
         tl.program_id(0), N_OUT, BLOCK_N, EPILOGUE, HEAD_DIM)
@@ -199,7 +169,7 @@ def _gemv_kernel(
                                              stride_x, norm_w_ptr, cols, col_mask, M,
                                              HAS_NORM, PAIRED, IEEE)
             start = BLOCK_K
-        for k0 in range(start, K, BLOCK_K):  # main's loop body, unchanged
+        for k0 in range(start, K, BLOCK_K):  # body as tuned before the peel; see _dot_tile
             cols = k0 + tl.arange(0, BLOCK_K)
             col_mask = cols < K
             xt = tl.load(x_ptr + offs_m[None, :] * stride_x + cols[:, None],
@@ -232,10 +202,7 @@ def _gemv_kernel(
             _epilogue(y_a, y_b, m, rows_a, rows_b, row_mask, head, dims,
                       bias_ptr, residual_ptr, out_ptr, positions_ptr, cos_sin_ptr,
                       stride_r, stride_o, stride_cs,
-                      key_cache_ptr, value_cache_ptr, slot_mapping_ptr,
-                      stride_cb, stride_co, stride_ch, stride_cd,
-                      HAS_BIAS, EPILOGUE, HEAD_DIM, NUM_ROPE_HEADS, NUM_Q_HEADS,
-                      WRITE_KV, KV_BLOCK_SIZE)
+                      HAS_BIAS, EPILOGUE, HEAD_DIM, NUM_ROPE_HEADS)
     else:
         # FMAs per token: the weight tile is re-read (from L2) for every token after the
         # first, so this is for M = 1.
@@ -253,7 +220,7 @@ def _gemv_kernel(
                 acc_a, acc_b, sum_sq = _fma_tile(acc_a, acc_b, sum_sq, wa, wb, x_row,
                                                  norm_w_ptr, cols, col_mask, HAS_NORM, PAIRED)
                 start = BLOCK_K
-            for k0 in range(start, K, BLOCK_K):  # main's loop body, unchanged
+            for k0 in range(start, K, BLOCK_K):  # as above; see _fma_tile
                 cols = k0 + tl.arange(0, BLOCK_K)
                 col_mask = cols < K
                 x = tl.load(x_row + cols, mask=col_mask, other=0.0)
@@ -276,10 +243,7 @@ def _gemv_kernel(
             _epilogue(y_a, y_b, m, rows_a, rows_b, row_mask, head, dims,
                       bias_ptr, residual_ptr, out_ptr, positions_ptr, cos_sin_ptr,
                       stride_r, stride_o, stride_cs,
-                      key_cache_ptr, value_cache_ptr, slot_mapping_ptr,
-                      stride_cb, stride_co, stride_ch, stride_cd,
-                      HAS_BIAS, EPILOGUE, HEAD_DIM, NUM_ROPE_HEADS, NUM_Q_HEADS,
-                      WRITE_KV, KV_BLOCK_SIZE)
+                      HAS_BIAS, EPILOGUE, HEAD_DIM, NUM_ROPE_HEADS)
 
 
 @triton.jit
@@ -291,6 +255,9 @@ def _wait_for_inputs():
     tl.extra.cuda.gdc_launch_dependents()
 
 
+# _weight_tile + _fma_tile / _dot_tile: the loop body, for the tile peeled off before the
+# PDL wait. The loops keep their own copies (x loaded before w) so that with USE_PDL off
+# the kernel compiles to the code it was before the peel.
 @triton.jit
 def _weight_tile(w_a, w_b, cols, row_mask, col_mask, PAIRED: tl.constexpr):
     mask = row_mask[:, None] & col_mask[None, :]
@@ -373,7 +340,6 @@ def gemv(
     cos_sin_cache: torch.Tensor | None = None,  # [max_position, head_dim] (ROPE)
     head_dim: int = 0,  # ROPE
     num_rope_heads: int = 0,  # ROPE: leading heads to rotate (q and k)
-    kv_cache: tuple | None = None,  # ROPE: (key_cache, value_cache, slot_mapping, num_q_heads)
     config: tuple | None = None,  # (BLOCK_N, BLOCK_K, warps, stages[, use_dot])
 ) -> torch.Tensor:
     """out = epilogue(norm?(x) @ weight.T + bias): [M, rows], or [M, rows / 2] for SILU.
@@ -406,15 +372,6 @@ def gemv(
         grid = (triton.cdiv(n_out, block_n),)
     if epilogue == "residual":
         assert residual.shape == out.shape and residual.stride(-1) == 1, residual.shape
-    if kv_cache is not None:
-        assert epilogue == "rope"
-        key_cache, value_cache, slot_mapping, num_q_heads = kv_cache
-        assert key_cache.stride() == value_cache.stride() and key_cache.shape[-1] == head_dim
-        assert slot_mapping.shape[0] >= num_tokens and slot_mapping.dtype == torch.int64
-        cache_strides = key_cache.stride()
-    else:
-        key_cache = value_cache = slot_mapping = x
-        num_q_heads, cache_strides = 0, (0, 0, 0, 0)
     pdl = use_pdl(x)
     extra = {"num_warps": num_warps, "num_stages": num_stages} if x.is_cuda else {}
     if pdl:  # launched while the previous kernel drains; see _wait_for_inputs
@@ -423,17 +380,14 @@ def gemv(
         x, weight, x if bias is None else bias, x if norm_weight is None else norm_weight,
         x if residual is None else residual, out,
         x if positions is None else positions, x if cos_sin_cache is None else cos_sin_cache,
-        key_cache, value_cache, slot_mapping,
         n_out,
         x.stride(0), 0 if residual is None else residual.stride(0), out.stride(0),
         0 if cos_sin_cache is None else cos_sin_cache.stride(0),
-        *cache_strides,
         eps,
         K=k, M=num_tokens, BLOCK_N=block_n, BLOCK_K=block_k, USE_DOT=bool(use_dot),
         BLOCK_M=max(16, triton.next_power_of_2(num_tokens)), IEEE=x.dtype == torch.float32,
         HAS_BIAS=bias is not None, HAS_NORM=norm_weight is not None,
         EPILOGUE=_EPILOGUES[epilogue], HEAD_DIM=head_dim, NUM_ROPE_HEADS=num_rope_heads,
-        USE_PDL=pdl, NUM_Q_HEADS=num_q_heads, WRITE_KV=kv_cache is not None,
-        KV_BLOCK_SIZE=key_cache.shape[1] if kv_cache is not None else 1, **extra,
+        USE_PDL=pdl, **extra,
     )
     return out

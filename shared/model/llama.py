@@ -77,11 +77,6 @@ class LlamaAttention(nn.Module):
         self.attn = Attention(
             self.num_heads, self.head_dim, self.num_kv_heads, self.head_dim**-0.5, f"{prefix}.attn"
         )
-        self.attn.kv_written_upstream = self._gemv_writes_kv
-        # Whether, at a GEMV-path token count, this layer's input is the finished residual
-        # stream (the layer before it had a dense MLP, or it is the first layer), so its
-        # pre_attention takes the GEMV path. Set by LlamaModel, which knows the neighbours.
-        self.gemv_input_is_stream = True
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
         q, k, v = self.pre_attention(positions, hidden_states)
@@ -109,26 +104,15 @@ class LlamaAttention(nn.Module):
         """Small-batch path: the input norm, the qkv GEMV and (without q/k norm, full
         rotary) RoPE in one launch; Qwen3's q/k norm + RoPE stay one more launch."""
         rope, proj = self.rotary_emb, self.qkv_proj
-        if self._rope_in_gemv():
-            target = self.attn.kv_write_target() if self._gemv_writes_kv(stream) else None
+        if self.q_norm is None and rope.rotary_dim == self.head_dim:
             qkv = gemv.gemv(
                 stream, proj.weight, proj.bias, norm_weight=norm.weight, eps=norm.eps,
                 epilogue="rope", positions=positions, cos_sin_cache=rope.cos_sin_cache,
                 head_dim=self.head_dim, num_rope_heads=self.num_heads + self.num_kv_heads,
-                kv_cache=None if target is None else (*target, self.num_heads),
             )
             return qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         qkv = gemv.gemv(stream, proj.weight, proj.bias, norm_weight=norm.weight, eps=norm.eps)
         return self._norm_rope_fused(positions, qkv)
-
-    def _rope_in_gemv(self) -> bool:
-        return self.q_norm is None and self.rotary_emb.rotary_dim == self.head_dim
-
-    def _gemv_writes_kv(self, x: torch.Tensor) -> bool:
-        """Whether this step's qkv GEMV stores K/V into the cache (x: any [T, ...] tensor
-        of the step: the rule depends on its token count, device and dtype only)."""
-        return (gemv.FUSE_KV_WRITE and self.gemv_input_is_stream and self._rope_in_gemv()
-                and gemv.use_gemv(x))
 
     def _norm_rope_fused(
         self, positions: torch.Tensor, qkv: torch.Tensor
@@ -233,10 +217,6 @@ class LlamaModel(nn.Module):
             make_layer(i, f"model.layers.{i}") for i in range(cfg.num_hidden_layers)
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        for i, layer in enumerate(self.layers):
-            # A MoE MLP hands the next layer a pending residual (see _post_attention_gemv).
-            dense_before = i == 0 or isinstance(self.layers[i - 1].mlp, LlamaMLP)
-            layer.self_attn.gemv_input_is_stream = dense_before
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         hidden_states = self.embed_tokens(input_ids)

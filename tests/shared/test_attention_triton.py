@@ -144,21 +144,3 @@ def test_split_count_depends_on_padded_rows_only():
     assert num_splits_for(8, 8, 132, 64) == 16
     assert num_splits_for(1, 8, 132, 64) == 64  # batch 1 x 32k: 512 programs
     assert num_splits_for(1, 8, 132, 16) == 16  # capped
-
-
-@pytest.mark.parametrize("num_splits", [2, 4, 8])
-def test_fused_split_merge_matches_reduce_kernel_and_rezeroes_counters(num_splits, monkeypatch):
-    """The last split to arrive merges (FUSE_SPLIT_MERGE) = the separate reduce kernel,
-    and every arrival counter is zero again afterwards (a graph replay starts from zero).
-    Mixed context lengths: some requests fit one split (direct write), some use all."""
-    from shared.attention import triton_unified_attention as tua
-
-    batch = make_batch([1, 1, 1, 1], [700, 9, 130, 257], 4, 2, 32, 8, pad_reqs=1)
-    monkeypatch.setattr(tua, "FUSE_SPLIT_MERGE", False)
-    separate = run_backend(TritonBackend(num_splits=num_splits), batch, 4, 32, 2)
-    monkeypatch.setattr(tua, "FUSE_SPLIT_MERGE", True)
-    for _ in range(2):  # the second call relies on the first one's counter reset
-        fused = run_backend(TritonBackend(num_splits=num_splits), batch, 4, 32, 2)
-        torch.testing.assert_close(fused[:4], separate[:4], atol=1e-6, rtol=1e-6)
-        assert fused[4:].isnan().all()
-        assert not tua._split_counters(torch.device("cpu")).any()

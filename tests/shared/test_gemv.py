@@ -254,30 +254,3 @@ def test_gpu_pdl_chain_in_a_graph_matches_plain_launches(monkeypatch):
         results[pdl] = out.clone()
     assert torch.equal(results[True], results[False])
     assert results[True].float().std() > 0.1
-
-
-@pytest.mark.parametrize("config", [(8, 64, 4, 2, 0), (16, 32, 4, 2, 1)])
-def test_rope_epilogue_writes_kv_like_write_kv(config):
-    """kv_cache=(key_cache, value_cache, slot_mapping, H): the rotated k heads and the v
-    heads land in the paged cache exactly where write_kv_torch puts them; a PAD slot
-    (-1) writes nothing."""
-    from shared.attention.kv_write import write_kv_torch
-
-    num_heads, num_kv_heads, head_dim, k, block_size = 4, 2, 32, 64, 4
-    rows = (num_heads + 2 * num_kv_heads) * head_dim
-    rope = RotaryEmbedding(head_dim, head_dim, 64, {"rope_type": "default", "rope_theta": 1e4})
-    positions = torch.tensor([9, 3, 40], dtype=torch.int64)
-    slots = torch.tensor([13, -1, 6], dtype=torch.int64)
-    x, w = _randn(3, k, seed=20), _randn(rows, k, seed=21, scale=0.1)
-    caches = [torch.full((5, block_size, num_kv_heads, head_dim), 7.0) for _ in range(4)]
-    got = gemv.gemv(x, w, epilogue="rope", positions=positions,
-                    cos_sin_cache=rope.cos_sin_cache, head_dim=head_dim,
-                    num_rope_heads=num_heads + num_kv_heads, config=config,
-                    kv_cache=(caches[0], caches[1], slots, num_heads))
-    q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
-    key = got[:, q_size:q_size + kv_size].reshape(3, num_kv_heads, head_dim)
-    value = got[:, q_size + kv_size:].reshape(3, num_kv_heads, head_dim)
-    write_kv_torch(key, value, caches[2], caches[3], slots)
-    torch.testing.assert_close(caches[0], caches[2], rtol=0, atol=0)
-    torch.testing.assert_close(caches[1], caches[3], rtol=0, atol=0)
-    assert (caches[0] != 7.0).sum() == 2 * kv_size  # two real tokens' k, nothing else
