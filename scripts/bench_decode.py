@@ -4,7 +4,8 @@
 
 1. llama-3-8b shape, dummy bf16 weights, batch 1, context 1024, FULL graphs:
    step time against floor = non-embedding weight bytes / measured read bandwidth, for
-   V1, V2, V2 with async scheduling, and V1 with the fused GEMVs off ("v1-cublas").
+   V1, V2, V2 with async scheduling, V1 with the fused GEMVs off ("v1-cublas") and V1
+   without programmatic dependent launch ("v1-nopdl").
 2. qwen3-0.6b shape, batch 1 / 64 / 256 / 512: GPU and wall step time per runner,
    graphs vs eager, and the launch-bound gap at batch 1.
 """
@@ -14,29 +15,37 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import statistics
 import sys
 import time
 
 import torch
 
+from shared import triton_utils
 from shared.bench.measure import measure_read_bandwidth, run_decode
 from shared.engine import LLMEngine
 from shared.model import gemv
 
-LLAMA_RUNNERS = ("v1-cublas", "v1", "v2", "v2-async")
+LLAMA_RUNNERS = ("v1-cublas", "v1-nopdl", "v1", "v2", "v2-async")
 
 
 def make_engine(model: str, runner: str, eager: bool, max_num_seqs: int, sizes: list[int],
                 max_model_len: int, blocks: int) -> LLMEngine:
-    """runner: "v1", "v2", or "v2-async" (V2 with the engine's async scheduling); a
-    "-cublas" suffix turns the batch-1 fused GEMV path off (cuBLAS + separate kernels),
-    for the engine's graph capture and every step after it."""
+    """runner: "v1" or "v2", then optionally "-" and modes joined by "+", each for the
+    engine's graph capture and every step after it: "async" (the engine's async
+    scheduling), "cublas" (batch-1 fused GEMV path off: cuBLAS + separate kernels), or "nopdl"
+    (no programmatic dependent launch). E.g. "v1-cublas+nopdl"."""
     from policy import EngineArgs
 
     runner, _, mode = runner.partition("-")
-    gemv.ENABLED = mode != "cublas"
+    modes = set(mode.split("+")) - {""}
+    unknown = modes - {"async", "cublas", "nopdl"}
+    if unknown:
+        raise ValueError(f"bench_decode --rows: unknown mode(s) {sorted(unknown)} in {runner}-{mode}")
+    gemv.ENABLED = "cublas" not in modes
+    triton_utils.PDL_ENABLED = "nopdl" not in modes
     args = EngineArgs(
-        async_scheduling=mode == "async",
+        async_scheduling="async" in modes,
         model=model, load_format="dummy", dtype="bfloat16", device="cuda", seed=0,
         model_runner=runner, enforce_eager=eager, max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max(8192, max_num_seqs), max_model_len=max_model_len,
@@ -52,39 +61,58 @@ def free(engine: LLMEngine) -> None:
     torch.cuda.empty_cache()
 
 
-def llama_batch1(bw: float, steps: int) -> dict:
-    result = {"model": "llama-3-8b", "batch": 1, "context": 1024}
+def llama_row(runner: str, bw: float, steps: int) -> tuple[dict, dict]:
+    """One engine of the llama-3-8b batch-1 comparison: (its figures, its tokens)."""
+    engine = make_engine("llama-3-8b", runner, False, 8, [1, 2, 4, 8], 2048, 512)
+    weight_bytes = engine.runner.executor.weight_bytes(include_embedding=False)
+    samples, steady_ms, tokens = run_decode(engine, 1, 1024, warmup=10, steps=steps, tag="r")
+    free(engine)
+    gemv.ENABLED = triton_utils.PDL_ENABLED = True
+    s = samples.summary()
+    floor_ms = weight_bytes / bw * 1e3
+    gpu_ms = s["forward_gpu_ms"]["median"]
+    return {
+        "summary": s, "steady_ms": steady_ms, "forward_gpu_ms": gpu_ms,
+        "wall_ms": s["wall_ms"]["median"], "weight_bytes": weight_bytes, "floor_ms": floor_ms,
+    }, tokens
+
+
+def llama_batch1(bw: float, steps: int, rows: list[str], repeats: int) -> dict:
+    """Each row's engine `repeats` times, in the order rows, reversed rows, rows, ... (so a
+    drift of the machine over the run does not favour the rows that come first); a row's
+    figures are the medians over its repeats of the per-run medians."""
+    result = {"model": "llama-3-8b", "batch": 1, "context": 1024, "repeats": repeats}
+    runs: dict[str, list[dict]] = {r: [] for r in rows}
     tokens = {}
-    # v2-async: the step loop overlaps the host's next step with the GPU's current one,
-    # so its per-step wall time is only meaningful unsynchronised (steady_ms).
-    for runner in LLAMA_RUNNERS:
-        engine = make_engine("llama-3-8b", runner, False, 8, [1, 2, 4, 8], 2048, 512)
-        weight_bytes = engine.runner.executor.weight_bytes(include_embedding=False)
-        samples, steady_ms, toks = run_decode(engine, 1, 1024, warmup=10, steps=steps, tag="r")
-        s = samples.summary()
-        floor_ms = weight_bytes / bw * 1e3
-        gpu_ms = s["forward_gpu_ms"]["median"]
+    for i in range(repeats):
+        for runner in rows if i % 2 == 0 else rows[::-1]:
+            run, tokens[runner] = llama_row(runner, bw, steps)
+            runs[runner].append(run)
+            result["weight_bytes"], result["floor_ms"] = run["weight_bytes"], run["floor_ms"]
+    floor_ms = result["floor_ms"]
+    for runner, rs in runs.items():
+        med = {k: statistics.median(r[k] for r in rs)
+               for k in ("forward_gpu_ms", "wall_ms", "steady_ms")}
+        # v2-async: the step loop overlaps the host's next step with the GPU's current
+        # one, so its per-step wall time is only meaningful unsynchronised (steady_ms).
         result[runner] = {
-            "summary": s, "steady_ms": steady_ms, "forward_gpu_ms": gpu_ms,
-            "wall_ms": s["wall_ms"]["median"],
-            "forward_gpu_over_floor": gpu_ms / floor_ms,
-            "wall_over_floor": s["wall_ms"]["median"] / floor_ms,
-            "steady_over_floor": steady_ms / floor_ms,
-            "achieved_GBps_forward": weight_bytes / (gpu_ms / 1e3) / 1e9,
+            **med, "runs": rs,
+            "forward_gpu_ms_per_run": [r["forward_gpu_ms"] for r in rs],
+            "forward_gpu_over_floor": med["forward_gpu_ms"] / floor_ms,
+            "wall_over_floor": med["wall_ms"] / floor_ms,
+            "steady_over_floor": med["steady_ms"] / floor_ms,
+            "achieved_GBps_forward": result["weight_bytes"] / med["forward_gpu_ms"] / 1e6,
         }
-        result["weight_bytes"] = weight_bytes
-        result["floor_ms"] = floor_ms
-        tokens[runner] = toks
-        free(engine)
-    gemv.ENABLED = True
     # The run ends in an abort: the async engine drops the token it had in flight, so
     # its lists may be one token shorter (a prefix of the synchronous ones).
-    ref, late = tokens["v1"], tokens["v2-async"]
-    result["tokens_identical"] = ref == tokens["v2"] and ref.keys() == late.keys() and all(
-        ref[r][: len(late[r])] == late[r] and len(ref[r]) - len(late[r]) <= 1 for r in ref
-    )
-    # bf16: a different summation order may flip a near-tie, so this one is reported only.
-    result["tokens_same_as_cublas"] = tokens["v1-cublas"] == ref
+    if {"v1", "v2", "v2-async"} <= tokens.keys():
+        ref, late = tokens["v1"], tokens["v2-async"]
+        result["tokens_identical"] = ref == tokens["v2"] and ref.keys() == late.keys() and all(
+            ref[r][: len(late[r])] == late[r] and len(ref[r]) - len(late[r]) <= 1 for r in ref
+        )
+    if {"v1", "v1-cublas"} <= tokens.keys():
+        # bf16: a different summation order may flip a near-tie, so this one is reported only.
+        result["tokens_same_as_cublas"] = tokens["v1-cublas"] == tokens["v1"]
     return result
 
 
@@ -114,6 +142,9 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=50)
     p.add_argument("--skip-llama", action="store_true")
     p.add_argument("--skip-qwen", action="store_true")
+    p.add_argument("--rows", default=",".join(LLAMA_RUNNERS),
+                   help="llama-3-8b rows, comma-separated (default: all of them)")
+    p.add_argument("--repeats", type=int, default=1, help="engines per llama row")
     args = p.parse_args()
     device = torch.device("cuda")
     bw = measure_read_bandwidth(device)
@@ -124,15 +155,17 @@ def main() -> int:
     }
     print(f"GPU {report['gpu']}: measured read bandwidth {bw / 1e9:.0f} GB/s", flush=True)
     if not args.skip_llama:
-        report["llama_3_8b_batch1"] = r = llama_batch1(bw, args.steps)
+        rows = args.rows.split(",")
+        report["llama_3_8b_batch1"] = r = llama_batch1(bw, args.steps, rows, args.repeats)
         print(f"llama-3-8b B=1 ctx 1024: floor {r['floor_ms']:.2f} ms", flush=True)
-        for runner in LLAMA_RUNNERS:
+        for runner in rows:
             x = r[runner]
             print(f"  {runner}: forward GPU {x['forward_gpu_ms']:.2f} ms ({x['forward_gpu_over_floor']:.2f}x floor), "
                   f"wall {x['wall_ms']:.2f} ms ({x['wall_over_floor']:.2f}x), steady {x['steady_ms']:.2f} ms "
-                  f"({x['steady_over_floor']:.2f}x)", flush=True)
-        print(f"  tokens identical V1 vs V2 vs V2-async (fused GEMVs): {r['tokens_identical']}; "
-              f"same as with cuBLAS: {r['tokens_same_as_cublas']}", flush=True)
+                  f"({x['steady_over_floor']:.2f}x); per run "
+                  + " ".join(f"{ms:.3f}" for ms in x["forward_gpu_ms_per_run"]), flush=True)
+        print(f"  tokens identical V1 vs V2 vs V2-async (fused GEMVs): {r.get('tokens_identical')}; "
+              f"same as with cuBLAS: {r.get('tokens_same_as_cublas')}", flush=True)
         with open(args.out, "w") as f:
             json.dump(report, f, indent=1)
     if not args.skip_qwen:

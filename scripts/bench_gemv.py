@@ -6,7 +6,7 @@ Each configuration is checked against float32 math before it is timed. Times are
 call from a CUDA graph of back-to-back calls, as the runners replay decode, over enough
 distinct weight copies (like distinct layers) that nothing is served from L2.
 
-  python3 scripts/bench_gemv.py --out gemv.json [--configs-out gemv_configs.json]
+  python3 scripts/bench_gemv.py --out gemv.json [--configs-out gemv_configs.json] [--token-rows]
 
 On a machine without a GPU, `--check` runs the kernel under the Triton interpreter on a
 small shape against F.linear (correctness only; tests/shared/test_gemv.py is thorough).
@@ -26,6 +26,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from shared import triton_utils  # noqa: E402
 from shared.bench.measure import graph_time_ms, measure_read_bandwidth  # noqa: E402
 from shared.model import fused_ops, gemv  # noqa: E402
 from shared.model.layers import RotaryEmbedding  # noqa: E402
@@ -132,6 +133,10 @@ def bench_shape(name, rows, k, epilogue, has_norm, head_dim, rope_heads, m, bw, 
             by_kernel[kind] = result
         if best is None or ms < best["time_ms"]:
             best = result
+    # The winner once more without programmatic dependent launch.
+    triton_utils.PDL_ENABLED = False
+    best["time_ms_without_pdl"] = timed(case.fused(best["config"]))
+    triton_utils.PDL_ENABLED = True
     gbps = lambda ms: case.weight_bytes / ms / 1e6  # noqa: E731
     row = {"shape": name, "rows": rows, "K": k, "m": m, "epilogue": epilogue, "norm": has_norm,
            "weight_bytes": case.weight_bytes, "cublas_ms": cublas_ms, "unfused_ms": unfused_ms,
@@ -141,7 +146,8 @@ def bench_shape(name, rows, k, epilogue, has_norm, head_dim, rope_heads, m, bw, 
     print(f"{name:>14} m={m} {rows:>6}x{k:<6} cuBLAS {cublas_ms * 1e3:6.1f} us "
           f"({row['cublas_of_read_bw']:.0%}) unfused chain {unfused_ms * 1e3:6.1f} us | fused "
           f"{epilogue}{'+norm' if has_norm else ''} {best['time_ms'] * 1e3:6.1f} us "
-          f"({row['fused_of_read_bw']:.0%}) config {best['config']}"
+          f"({row['fused_of_read_bw']:.0%}) config {best['config']} "
+          f"(without PDL {best['time_ms_without_pdl'] * 1e3:.1f} us)"
           + "".join(f" | best {k} {v['time_ms'] * 1e3:.1f} us" for k, v in by_kernel.items()),
           flush=True)
     return row
@@ -161,6 +167,8 @@ def main() -> int:
     p.add_argument("--configs-out", type=Path, default=None,
                    help="write the best config per shape (gemv_configs.json's format)")
     p.add_argument("--check", action="store_true", help="interpreter correctness check only")
+    p.add_argument("--token-rows", action="store_true",
+                   help="also time 2-16 token rows on the llama shapes (where MAX_TOKENS comes from)")
     args = p.parse_args()
     if args.check or not torch.cuda.is_available():
         check_on_cpu()
@@ -172,21 +180,22 @@ def main() -> int:
     for shape in SHAPES:
         rows.append(bench_shape(*shape, 1, bw))
         torch.cuda.empty_cache()  # the last shape's weight copies
-    # More token rows, tensor-core kernel with the best M=1 dot config: where the GEMV path
-    # stops paying against cuBLAS (MAX_TOKENS).
-    best_dot = {r["shape"]: r["best_by_kernel"]["dot"]["config"] for r in rows}
-    for shape in SHAPES[:4]:
-        for m in (2, 4, 8, 16):
-            rows.append(bench_shape(*shape, m, bw, sweep=False, config=best_dot[shape[0]]))
+    if args.configs_out:  # now, not at the end: a run cut short keeps its tuned table
+        # Merged into the file: other devices' tables stay.
+        tables = json.loads(args.configs_out.read_text()) if args.configs_out.exists() else {}
+        tables[gpu] = {r["key"]: r["fused"]["config"] for r in rows}
+        args.configs_out.write_text(json.dumps(tables, indent=1, sort_keys=True) + "\n")
+    if args.token_rows:
+        # More token rows, tensor-core kernel with the best M=1 dot config: where the GEMV
+        # path stops paying against cuBLAS (MAX_TOKENS).
+        best_dot = {r["shape"]: r["best_by_kernel"]["dot"]["config"] for r in rows}
+        for shape in SHAPES[:4]:
+            for m in (2, 4, 8, 16):
+                rows.append(bench_shape(*shape, m, bw, sweep=False, config=best_dot[shape[0]]))
     report = {"command": "python3 scripts/bench_gemv.py " + " ".join(sys.argv[1:]),
               "gpu": gpu, "read_bandwidth_GBps": bw, "rows": rows}
     if args.out:
         args.out.write_text(json.dumps(report, indent=1))
-    if args.configs_out:
-        # Merged into the file: other devices' tables stay.
-        tables = json.loads(args.configs_out.read_text()) if args.configs_out.exists() else {}
-        tables[gpu] = {r["key"]: r["fused"]["config"] for r in rows if r["m"] == 1}
-        args.configs_out.write_text(json.dumps(tables, indent=1, sort_keys=True) + "\n")
     return 0
 
 

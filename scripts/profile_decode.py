@@ -1,7 +1,8 @@
-"""Where a decode step's time goes: torch.profiler over a few eager decode steps, the
-top GPU kernels by device time and the top CPU ops by self time.
+"""Where a decode step's time goes: torch.profiler over a few decode steps (CUDA graphs
+unless --eager), the top GPU kernels by device time and the top CPU ops by self time.
 
-  python3 scripts/profile_decode.py --model qwen3-0.6b --batch 1 [--runner v2] [--out DIR]
+  python3 scripts/profile_decode.py --model qwen3-0.6b --batch 1 [--runner v2] [--eager]
+      [--pdl] [--out DIR]
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import sys
 
 import torch
 
+from shared import triton_utils
 from shared.engine import LLMEngine
 from shared.sampling_params import SamplingParams
 
@@ -23,7 +25,11 @@ def main() -> int:
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--eager", action="store_true")
     p.add_argument("--out", default=None)
+    p.add_argument("--pdl", action="store_true",
+                   help="keep programmatic dependent launch on: a kernel's time then includes "
+                        "its wait for the one before, so per-kernel times overlap")
     args = p.parse_args()
+    triton_utils.PDL_ENABLED = args.pdl
     from policy import EngineArgs
 
     engine = LLMEngine.from_engine_args(EngineArgs(

@@ -8,6 +8,7 @@ decorates its kernels, and logs that once. On a GPU machine it changes nothing.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 
@@ -25,8 +26,23 @@ INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-__all__ = ["HAS_CUDA", "INTERPRET", "triton", "tl", "next_power_of_2"]
+__all__ = ["HAS_CUDA", "INTERPRET", "triton", "tl", "next_power_of_2", "use_pdl"]
+
+# Programmatic dependent launch (sm_90+): kernels that call gdc_wait() before reading their
+# predecessor's output may be launched while it drains. One switch for every such kernel
+# (benchmarks flip it to measure the difference).
+PDL_ENABLED = True
 
 
 def next_power_of_2(n: int) -> int:
     return 1 if n <= 1 else 1 << (n - 1).bit_length()
+
+
+def use_pdl(x: torch.Tensor) -> bool:
+    """Launch with launch_pdl=True: a CUDA tensor on sm_90 or newer, outside the interpreter."""
+    return PDL_ENABLED and x.is_cuda and not INTERPRET and _capability(x.device) >= (9, 0)
+
+
+@functools.cache
+def _capability(device: torch.device) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(device)

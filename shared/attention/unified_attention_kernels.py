@@ -139,7 +139,13 @@ def paged_attention_kernel(
     MIN_TILES_PER_SPLIT: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    USE_PDL: tl.constexpr = False,  # launched with programmatic dependent launch (sm_90+)
 ):
+    if USE_PDL:
+        # Launched while the kernel before drains: wait for its writes (q, and the KV-cache
+        # write before it), then let the next kernel launch in turn.
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)

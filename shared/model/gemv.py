@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 
 from shared.model import fused_ops
-from shared.triton_utils import tl, triton
+from shared.triton_utils import tl, triton, use_pdl
 
 # Token counts up to this take the GEMV path. Measured (docs/results, h200_gemv.log): with
 # the M=1 configs a layer's fused GEMVs are only 1-3% faster than cuBLAS + separate kernels
@@ -144,6 +144,7 @@ def _gemv_kernel(
     EPILOGUE: tl.constexpr,  # 0 none, 1 residual, 2 silu, 3 rope
     HEAD_DIM: tl.constexpr,  # ROPE only
     NUM_ROPE_HEADS: tl.constexpr,  # ROPE: q + k heads (rotated); the v heads after are not
+    USE_PDL: tl.constexpr,  # launched with programmatic dependent launch (sm_90+)
 ):
     rows_a, rows_b, row_mask, head, dims = _program_rows(
         tl.program_id(0), N_OUT, BLOCK_N, EPILOGUE, HEAD_DIM)
@@ -156,7 +157,19 @@ def _gemv_kernel(
         acc_a = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
         acc_b = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
         sum_sq = tl.zeros([BLOCK_M], dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
+        start = 0
+        if USE_PDL:
+            # The first weight tile does not depend on the previous kernel: load it while
+            # that kernel drains, then wait for its output (x).
+            cols = tl.arange(0, BLOCK_K)
+            col_mask = cols < K
+            wa, wb = _weight_tile(w_a, w_b, cols, row_mask, col_mask, PAIRED)
+            _wait_for_inputs()
+            acc_a, acc_b, sum_sq = _dot_tile(acc_a, acc_b, sum_sq, wa, wb, x_ptr, offs_m,
+                                             stride_x, norm_w_ptr, cols, col_mask, M,
+                                             HAS_NORM, PAIRED, IEEE)
+            start = BLOCK_K
+        for k0 in range(start, K, BLOCK_K):  # body as tuned before the peel; see _dot_tile
             cols = k0 + tl.arange(0, BLOCK_K)
             col_mask = cols < K
             xt = tl.load(x_ptr + offs_m[None, :] * stride_x + cols[:, None],
@@ -197,10 +210,20 @@ def _gemv_kernel(
             acc_a = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
             acc_b = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
             sum_sq = tl.zeros([BLOCK_K], dtype=tl.float32)
-            for k0 in range(0, K, BLOCK_K):
+            x_row = x_ptr + m * stride_x
+            start = 0
+            if USE_PDL and m == 0:  # see the dot branch
+                cols = tl.arange(0, BLOCK_K)
+                col_mask = cols < K
+                wa, wb = _weight_tile(w_a, w_b, cols, row_mask, col_mask, PAIRED)
+                _wait_for_inputs()
+                acc_a, acc_b, sum_sq = _fma_tile(acc_a, acc_b, sum_sq, wa, wb, x_row,
+                                                 norm_w_ptr, cols, col_mask, HAS_NORM, PAIRED)
+                start = BLOCK_K
+            for k0 in range(start, K, BLOCK_K):  # as above; see _fma_tile
                 cols = k0 + tl.arange(0, BLOCK_K)
                 col_mask = cols < K
-                x = tl.load(x_ptr + m * stride_x + cols, mask=col_mask, other=0.0)
+                x = tl.load(x_row + cols, mask=col_mask, other=0.0)
                 x = x.to(tl.float32)
                 if HAS_NORM:
                     sum_sq += x * x
@@ -221,6 +244,64 @@ def _gemv_kernel(
                       bias_ptr, residual_ptr, out_ptr, positions_ptr, cos_sin_ptr,
                       stride_r, stride_o, stride_cs,
                       HAS_BIAS, EPILOGUE, HEAD_DIM, NUM_ROPE_HEADS)
+
+
+@triton.jit
+def _wait_for_inputs():
+    """Programmatic dependent launch: wait until the previous kernel's writes (this
+    kernel's x / residual) are visible, then let the next kernel launch and start on
+    its own weights while this one streams."""
+    tl.extra.cuda.gdc_wait()
+    tl.extra.cuda.gdc_launch_dependents()
+
+
+# _weight_tile + _fma_tile / _dot_tile: the loop body, for the tile peeled off before the
+# PDL wait. The loops keep their own copies (x loaded before w) so that with USE_PDL off
+# the kernel compiles to the code it was before the peel.
+@triton.jit
+def _weight_tile(w_a, w_b, cols, row_mask, col_mask, PAIRED: tl.constexpr):
+    mask = row_mask[:, None] & col_mask[None, :]
+    wa = tl.load(w_a + cols[None, :], mask=mask, other=0.0)
+    if PAIRED:
+        wb = tl.load(w_b + cols[None, :], mask=mask, other=0.0)
+    else:
+        wb = wa
+    return wa, wb
+
+
+@triton.jit
+def _fma_tile(acc_a, acc_b, sum_sq, wa, wb, x_row, norm_w_ptr, cols, col_mask,
+              HAS_NORM: tl.constexpr, PAIRED: tl.constexpr):
+    x = tl.load(x_row + cols, mask=col_mask, other=0.0).to(tl.float32)
+    if HAS_NORM:
+        sum_sq += x * x
+        x = x * tl.load(norm_w_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
+    acc_a += wa.to(tl.float32) * x[None, :]
+    if PAIRED:
+        acc_b += wb.to(tl.float32) * x[None, :]
+    return acc_a, acc_b, sum_sq
+
+
+@triton.jit
+def _dot_tile(acc_a, acc_b, sum_sq, wa, wb, x_ptr, offs_m, stride_x, norm_w_ptr, cols,
+              col_mask, M: tl.constexpr, HAS_NORM: tl.constexpr, PAIRED: tl.constexpr,
+              IEEE: tl.constexpr):
+    xt = tl.load(x_ptr + offs_m[None, :] * stride_x + cols[:, None],
+                 mask=(offs_m < M)[None, :] & col_mask[:, None], other=0.0)
+    if HAS_NORM:
+        xf = xt.to(tl.float32)
+        sum_sq += tl.sum(xf * xf, axis=0)
+        g = tl.load(norm_w_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
+        xt = (xf * g[:, None]).to(wa.dtype)
+    if IEEE:
+        acc_a = tl.dot(wa, xt, acc_a, input_precision="ieee")
+        if PAIRED:
+            acc_b = tl.dot(wb, xt, acc_b, input_precision="ieee")
+    else:
+        acc_a = tl.dot(wa, xt, acc_a)
+        if PAIRED:
+            acc_b = tl.dot(wb, xt, acc_b)
+    return acc_a, acc_b, sum_sq
 
 
 @functools.cache
@@ -291,7 +372,10 @@ def gemv(
         grid = (triton.cdiv(n_out, block_n),)
     if epilogue == "residual":
         assert residual.shape == out.shape and residual.stride(-1) == 1, residual.shape
+    pdl = use_pdl(x)
     extra = {"num_warps": num_warps, "num_stages": num_stages} if x.is_cuda else {}
+    if pdl:  # launched while the previous kernel drains; see _wait_for_inputs
+        extra["launch_pdl"] = True
     _gemv_kernel[grid](
         x, weight, x if bias is None else bias, x if norm_weight is None else norm_weight,
         x if residual is None else residual, out,
@@ -304,6 +388,6 @@ def gemv(
         BLOCK_M=max(16, triton.next_power_of_2(num_tokens)), IEEE=x.dtype == torch.float32,
         HAS_BIAS=bias is not None, HAS_NORM=norm_weight is not None,
         EPILOGUE=_EPILOGUES[epilogue], HEAD_DIM=head_dim, NUM_ROPE_HEADS=num_rope_heads,
-        **extra,
+        USE_PDL=pdl, **extra,
     )
     return out
