@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from shared.triton_utils import next_power_of_2, tl, triton
+from shared.triton_utils import next_power_of_2, pdl_launch, pdl_wait_and_release, tl, triton
 
 # One program stores one token's Hkv * D elements in chunks of at most this many, so a
 # token row (8 heads x 128 = 1024 elements for Llama-3-8B) is one program.
@@ -31,7 +31,10 @@ def _write_kv_kernel(
     HEAD_DIM: tl.constexpr,
     KV_BLOCK_SIZE: tl.constexpr,
     BLOCK: tl.constexpr,
+    USE_PDL: tl.constexpr = False,  # launched with programmatic dependent launch (sm_90+)
 ):
+    if USE_PDL:  # launched while the qkv projection that wrote k and v drains
+        pdl_wait_and_release()
     token = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
     slot = tl.load(slot_mapping_ptr + token)
@@ -93,4 +96,5 @@ def write_kv_triton(
         KV_BLOCK_SIZE=key_cache.shape[1],
         BLOCK=block,
         num_warps=4,
+        **pdl_launch(key),
     )

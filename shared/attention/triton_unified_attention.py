@@ -17,7 +17,7 @@ from shared.attention.unified_attention_kernels import (
     paged_attention_kernel,
     reduce_splits_kernel,
 )
-from shared.triton_utils import INTERPRET, next_power_of_2, tl, use_pdl
+from shared.triton_utils import INTERPRET, next_power_of_2, pdl_launch, tl
 
 LOG2E = 1.4426950408889634
 
@@ -154,7 +154,7 @@ def _launch_single_query(
         *launch.tensors, part_out, part_max, part_sum, *launch.runtime, **launch.consts,
         BLOCK_M=cfg.block_m, BLOCK_Q=1, TILE_N=cfg.tile_n,
         SINGLE_QUERY=True, MIN_QUERY_LEN=1, NUM_SPLITS=num_splits,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **_pdl_launch(query),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(query),
     )
     if num_splits > 1:
         seq_lens, query_start_loc = launch.tensors[5], launch.tensors[6]
@@ -163,13 +163,6 @@ def _launch_single_query(
             *output.stride(),
             HEAD_DIM=head_dim, BLOCK_D=block_d, TILE_N=cfg.tile_n, NUM_SPLITS=num_splits,
             BLOCK_S=next_power_of_2(num_splits), MIN_TILES_PER_SPLIT=_MIN_TILES_PER_SPLIT,
-            num_warps=4,
+            num_warps=4, **pdl_launch(query),
         )
-
-
-def _pdl_launch(query: torch.Tensor) -> dict:
-    """The decode mapping is launched with programmatic dependent launch where available
-    (it waits for its predecessor's writes first thing): its launch overlaps the tail of
-    the kernel before, the KV-cache write."""
-    return {"USE_PDL": True, "launch_pdl": True} if use_pdl(query) else {}
 

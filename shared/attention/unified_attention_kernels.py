@@ -28,7 +28,7 @@ Padded rows (query length 0, seq_len 0) and padded tokens are never written.
 
 from __future__ import annotations
 
-from shared.triton_utils import tl, triton
+from shared.triton_utils import pdl_wait_and_release, tl, triton
 
 
 @triton.jit
@@ -141,11 +141,8 @@ def paged_attention_kernel(
     DOT_PRECISION: tl.constexpr,
     USE_PDL: tl.constexpr = False,  # launched with programmatic dependent launch (sm_90+)
 ):
-    if USE_PDL:
-        # Launched while the kernel before drains: wait for its writes (q, and the KV-cache
-        # write before it), then let the next kernel launch in turn.
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+    if USE_PDL:  # launched while the KV-cache write before it drains
+        pdl_wait_and_release()
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -247,7 +244,10 @@ def reduce_splits_kernel(
     NUM_SPLITS: tl.constexpr,
     BLOCK_S: tl.constexpr,  # NUM_SPLITS rounded up to a power of 2
     MIN_TILES_PER_SPLIT: tl.constexpr,
+    USE_PDL: tl.constexpr = False,  # launched with programmatic dependent launch (sm_90+)
 ):
+    if USE_PDL:  # launched while the attention kernel that wrote the partials drains
+        pdl_wait_and_release()
     req = tl.program_id(0)
     head = tl.program_id(1)
     num_heads = tl.num_programs(1)
