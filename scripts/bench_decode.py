@@ -26,30 +26,24 @@ from shared.bench.measure import measure_read_bandwidth, run_decode
 from shared.engine import LLMEngine
 from shared.model import gemv
 
-LLAMA_RUNNERS = ("v1-cublas", "v1-nopdl", "v1-noprefetch", "v1", "v2", "v2-async")
-DEFAULT_PREFETCH = gemv.PREFETCH_BYTES
+LLAMA_RUNNERS = ("v1-cublas", "v1-nopdl", "v1", "v2", "v2-async")
 
 
 def make_engine(model: str, runner: str, eager: bool, max_num_seqs: int, sizes: list[int],
                 max_model_len: int, blocks: int) -> LLMEngine:
     """runner: "v1" or "v2", then optionally "-" and modes joined by "+", each for the
     engine's graph capture and every step after it: "async" (the engine's async
-    scheduling), "cublas" (batch-1 fused GEMV path off: cuBLAS + separate kernels), , "nopdl"
-    (no programmatic dependent launch), "noprefetch" (GEMVs prefetch no weights to L2
-    before their PDL wait), "prefetchN" (they prefetch N KiB per program). E.g.
-    "v1-cublas+nopdl", "v1-prefetch128"."""
+    scheduling), "cublas" (batch-1 fused GEMV path off: cuBLAS + separate kernels), or "nopdl"
+    (no programmatic dependent launch). E.g. "v1-cublas+nopdl"."""
     from policy import EngineArgs
 
     runner, _, mode = runner.partition("-")
     modes = set(mode.split("+")) - {""}
-    prefetch = [m for m in modes if m.startswith("prefetch") and m[8:].isdigit()]
-    unknown = modes - {"async", "cublas", "nopdl", "noprefetch", *prefetch}
-    if unknown or len(prefetch) > 1:
+    unknown = modes - {"async", "cublas", "nopdl"}
+    if unknown:
         raise ValueError(f"bench_decode --rows: unknown mode(s) {sorted(unknown)} in {runner}-{mode}")
     gemv.ENABLED = "cublas" not in modes
     triton_utils.PDL_ENABLED = "nopdl" not in modes
-    gemv.PREFETCH_BYTES = (0 if "noprefetch" in modes
-                           else int(prefetch[0][8:]) * 1024 if prefetch else DEFAULT_PREFETCH)
     args = EngineArgs(
         async_scheduling="async" in modes,
         model=model, load_format="dummy", dtype="bfloat16", device="cuda", seed=0,
@@ -74,7 +68,6 @@ def llama_row(runner: str, bw: float, steps: int) -> tuple[dict, dict]:
     samples, steady_ms, tokens = run_decode(engine, 1, 1024, warmup=10, steps=steps, tag="r")
     free(engine)
     gemv.ENABLED = triton_utils.PDL_ENABLED = True
-    gemv.PREFETCH_BYTES = DEFAULT_PREFETCH
     s = samples.summary()
     floor_ms = weight_bytes / bw * 1e3
     gpu_ms = s["forward_gpu_ms"]["median"]

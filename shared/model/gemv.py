@@ -43,10 +43,6 @@ from shared.triton_utils import pdl_wait_and_release, tl, triton, use_pdl
 MAX_TOKENS = 1
 # Module switch (benchmarks and tests flip it): False = cuBLAS + separate kernels.
 ENABLED = True
-# Under PDL a program is resident before the kernel ahead of it has finished, while HBM has
-# spare bandwidth in that kernel's tail: it asks L2 for this many bytes of its weights (after
-# the first tile, which it loads into registers) before it waits. 0 = no prefetch.
-PREFETCH_BYTES = 32 * 1024
 
 _EPILOGUES = {"none": 0, "residual": 1, "silu": 2, "rope": 3}
 _CONFIG_FILE = Path(__file__).with_name("gemv_configs.json")
@@ -149,8 +145,6 @@ def _gemv_kernel(
     HEAD_DIM: tl.constexpr,  # ROPE only
     NUM_ROPE_HEADS: tl.constexpr,  # ROPE: q + k heads (rotated); the v heads after are not
     USE_PDL: tl.constexpr,  # launched with programmatic dependent launch (sm_90+)
-    PREFETCH_COLS: tl.constexpr = 0,  # USE_PDL: columns after the first tile to prefetch
-    LINE: tl.constexpr = 64,  # elements per 128-byte cache line
 ):
     rows_a, rows_b, row_mask, head, dims = _program_rows(
         tl.program_id(0), N_OUT, BLOCK_N, EPILOGUE, HEAD_DIM)
@@ -170,8 +164,6 @@ def _gemv_kernel(
             cols = tl.arange(0, BLOCK_K)
             col_mask = cols < K
             wa, wb = _weight_tile(w_a, w_b, cols, row_mask, col_mask, PAIRED)
-            if PREFETCH_COLS > 0:
-                _prefetch_l2(w_ptr, w_a, w_b, row_mask, BLOCK_K, PREFETCH_COLS, LINE, PAIRED)
             pdl_wait_and_release()
             acc_a, acc_b, sum_sq = _dot_tile(acc_a, acc_b, sum_sq, wa, wb, x_ptr, offs_m,
                                              stride_x, norm_w_ptr, cols, col_mask, M,
@@ -224,9 +216,6 @@ def _gemv_kernel(
                 cols = tl.arange(0, BLOCK_K)
                 col_mask = cols < K
                 wa, wb = _weight_tile(w_a, w_b, cols, row_mask, col_mask, PAIRED)
-                if PREFETCH_COLS > 0:
-                    _prefetch_l2(w_ptr, w_a, w_b, row_mask, BLOCK_K, PREFETCH_COLS, LINE,
-                                 PAIRED)
                 pdl_wait_and_release()
                 acc_a, acc_b, sum_sq = _fma_tile(acc_a, acc_b, sum_sq, wa, wb, x_row,
                                                  norm_w_ptr, cols, col_mask, HAS_NORM, PAIRED)
@@ -255,25 +244,6 @@ def _gemv_kernel(
                       bias_ptr, residual_ptr, out_ptr, positions_ptr, cos_sin_ptr,
                       stride_r, stride_o, stride_cs,
                       HAS_BIAS, EPILOGUE, HEAD_DIM, NUM_ROPE_HEADS)
-
-
-@triton.jit
-def _prefetch_l2(w_ptr, w_a, w_b, row_mask, START: tl.constexpr, COLS: tl.constexpr,
-                 LINE: tl.constexpr, PAIRED: tl.constexpr):
-    """prefetch.global.L2 of columns [START, START + COLS) of the program's weight rows,
-    one per cache line (the host keeps them inside K). Rows past the matrix prefetch its
-    first line instead: an address outside the allocation is never formed."""
-    cols = START + tl.arange(0, COLS // LINE) * LINE
-    _prefetch_lines(tl.where(row_mask[:, None], w_a + cols[None, :], w_ptr))
-    if PAIRED:
-        _prefetch_lines(tl.where(row_mask[:, None], w_b + cols[None, :], w_ptr))
-
-
-@triton.jit
-def _prefetch_lines(ptrs):
-    # A dummy result: inline asm must return something; is_pure=False keeps it alive.
-    tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptrs],
-                              dtype=tl.int32, is_pure=False, pack=1)
 
 
 # _weight_tile + _fma_tile / _dot_tile: the loop body, for the tile peeled off before the
@@ -348,16 +318,6 @@ def _config_for(x: torch.Tensor, key: str, override) -> tuple[int, int, int, int
     return config + (0,) * (5 - len(config))  # 4-tuples: the FMA kernel
 
 
-def _prefetch_cols(k: int, block_k: int, rows_per_program: int, elem_bytes: int) -> dict:
-    """PREFETCH_BYTES of a program's weights as whole cache lines, a power of two of them
-    (tl.arange), inside K after the first tile: {} when that is less than one line."""
-    line = 128 // elem_bytes
-    lines = min(PREFETCH_BYTES // (rows_per_program * elem_bytes), k - block_k) // line
-    if lines < 1:
-        return {}
-    return {"PREFETCH_COLS": line * (1 << (lines.bit_length() - 1)), "LINE": line}
-
-
 def gemv(
     x: torch.Tensor,  # [M, K]
     weight: torch.Tensor,  # [rows, K]
@@ -407,8 +367,6 @@ def gemv(
     extra = {"num_warps": num_warps, "num_stages": num_stages} if x.is_cuda else {}
     if pdl:  # launched while the previous kernel drains; see pdl_wait_and_release
         extra["launch_pdl"] = True
-        paired_rows = block_n * (2 if epilogue in ("silu", "rope") else 1)
-        extra.update(_prefetch_cols(k, block_k, paired_rows, x.element_size()))
     _gemv_kernel[grid](
         x, weight, x if bias is None else bias, x if norm_weight is None else norm_weight,
         x if residual is None else residual, out,

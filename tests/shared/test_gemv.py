@@ -13,8 +13,6 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from hypothesis import given, settings
-from hypothesis import strategies as st
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from shared import triton_utils
@@ -256,27 +254,3 @@ def test_gpu_pdl_chain_in_a_graph_matches_plain_launches(monkeypatch):
         results[pdl] = out.clone()
     assert torch.equal(results[True], results[False])
     assert results[True].float().std() > 0.1
-
-
-@settings(max_examples=300, deadline=None)
-@given(k=st.integers(16, 20000), block_k=st.sampled_from([128, 256, 512, 1024]),
-       rows=st.sampled_from([8, 16, 32, 64, 128]), elem=st.sampled_from([2, 4]),
-       budget=st.sampled_from([0, 1024, 32 * 1024, 128 * 1024]))
-def test_prefetch_window(k, block_k, rows, elem, budget):
-    """The L2 prefetch window before the PDL wait: whole cache lines, a power of two of
-    them, after the first tile and inside K, within PREFETCH_BYTES, and the largest such
-    window (doubling it breaks a bound); none when not even one line fits."""
-    saved, gemv.PREFETCH_BYTES = gemv.PREFETCH_BYTES, budget
-    try:
-        got = gemv._prefetch_cols(k, block_k, rows, elem)
-    finally:
-        gemv.PREFETCH_BYTES = saved
-    line = 128 // elem
-    fits = lambda cols: block_k + cols <= k and cols * rows * elem <= budget  # noqa: E731
-    if not got:
-        assert not fits(line)
-        return
-    cols = got["PREFETCH_COLS"]
-    assert got["LINE"] == line and cols % line == 0
-    assert (cols // line) & (cols // line - 1) == 0  # a power of two (tl.arange)
-    assert fits(cols) and not fits(2 * cols)
