@@ -6,9 +6,11 @@ o_proj) at 61-77% of the read bandwidth and splits K behind an extra reduction k
 and each of the decoder's ~13 kernels per layer pays launch latency and a tail. Here a
 program owns BLOCK_N output rows over the whole of K (each weight row read once, no
 split-K), with either FMAs (USE_DOT=0) or a tensor-core dot against the token rows padded
-to 16 (USE_DOT=1); the table below picks per shape. (Neither kernel's sm_90 PTX, compiled
-with Triton 3.9, has a cp.async: the weight loads are plain global loads, and the
-bandwidth comes from many programs in flight, not from a shared-memory pipeline.) The ops around a GEMV ride along in its prologue or epilogue:
+to 16 (USE_DOT=1); the table below picks per shape. Their sm_90 code, compiled with the
+16-byte pointer alignment a launch specialises on: the dot kernel streams the weights
+through a num_stages-deep shared-memory pipeline (cp.async); the FMA kernel uses 16-byte
+vector loads straight to registers and gets its bandwidth from many programs in flight.
+Neither uses TMA. The ops around a GEMV ride along in its prologue or epilogue:
 
 - NORM prologue: RMSNorm of the input, folded into the dot product:
   y = rstd * sum_k W[n, k] * (x_k * g_k), with sum_k x_k^2 accumulated in the same pass,
@@ -160,37 +162,28 @@ def _gemv_kernel(
         start = 0
         if USE_PDL:
             # The first weight tile does not depend on the previous kernel: load it while
-            # that kernel drains, then wait for its output (x).
+            # that kernel drains, then wait for its output (x). The loop's steps, with the
+            # weight load moved ahead of the wait.
             cols = tl.arange(0, BLOCK_K)
             col_mask = cols < K
-            wa, wb = _weight_tile(w_a, w_b, cols, row_mask, col_mask, PAIRED)
+            wa = _weight_tile(w_a, cols, row_mask, col_mask)
+            if PAIRED:
+                wb = _weight_tile(w_b, cols, row_mask, col_mask)
             pdl_wait_and_release()
-            acc_a, acc_b, sum_sq = _dot_tile(acc_a, acc_b, sum_sq, wa, wb, x_ptr, offs_m,
-                                             stride_x, norm_w_ptr, cols, col_mask, M,
-                                             HAS_NORM, PAIRED, IEEE)
+            xt, sum_sq = _x_tile_dot(x_ptr, w_ptr, norm_w_ptr, offs_m, stride_x, cols,
+                                     col_mask, sum_sq, M, HAS_NORM)
+            acc_a = _dot(wa, xt, acc_a, IEEE)
+            if PAIRED:
+                acc_b = _dot(wb, xt, acc_b, IEEE)
             start = BLOCK_K
-        for k0 in range(start, K, BLOCK_K):  # body as tuned before the peel; see _dot_tile
+        for k0 in range(start, K, BLOCK_K):
             cols = k0 + tl.arange(0, BLOCK_K)
             col_mask = cols < K
-            xt = tl.load(x_ptr + offs_m[None, :] * stride_x + cols[:, None],
-                         mask=(offs_m < M)[None, :] & col_mask[:, None], other=0.0)
-            if HAS_NORM:
-                xf = xt.to(tl.float32)
-                sum_sq += tl.sum(xf * xf, axis=0)
-                g = tl.load(norm_w_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
-                xt = (xf * g[:, None]).to(w_ptr.dtype.element_ty)
-            mask = row_mask[:, None] & col_mask[None, :]
-            wa = tl.load(w_a + cols[None, :], mask=mask, other=0.0)
-            if IEEE:
-                acc_a = tl.dot(wa, xt, acc_a, input_precision="ieee")
-            else:
-                acc_a = tl.dot(wa, xt, acc_a)
+            xt, sum_sq = _x_tile_dot(x_ptr, w_ptr, norm_w_ptr, offs_m, stride_x, cols,
+                                     col_mask, sum_sq, M, HAS_NORM)
+            acc_a = _dot(_weight_tile(w_a, cols, row_mask, col_mask), xt, acc_a, IEEE)
             if PAIRED:
-                wb = tl.load(w_b + cols[None, :], mask=mask, other=0.0)
-                if IEEE:
-                    acc_b = tl.dot(wb, xt, acc_b, input_precision="ieee")
-                else:
-                    acc_b = tl.dot(wb, xt, acc_b)
+                acc_b = _dot(_weight_tile(w_b, cols, row_mask, col_mask), xt, acc_b, IEEE)
         if HAS_NORM:
             rstd = tl.math.rsqrt(sum_sq / K + eps)
             acc_a = acc_a * rstd[None, :]
@@ -215,25 +208,23 @@ def _gemv_kernel(
             if USE_PDL and m == 0:  # see the dot branch
                 cols = tl.arange(0, BLOCK_K)
                 col_mask = cols < K
-                wa, wb = _weight_tile(w_a, w_b, cols, row_mask, col_mask, PAIRED)
+                wa = _weight_tile(w_a, cols, row_mask, col_mask)
+                if PAIRED:
+                    wb = _weight_tile(w_b, cols, row_mask, col_mask)
                 pdl_wait_and_release()
-                acc_a, acc_b, sum_sq = _fma_tile(acc_a, acc_b, sum_sq, wa, wb, x_row,
-                                                 norm_w_ptr, cols, col_mask, HAS_NORM, PAIRED)
-                start = BLOCK_K
-            for k0 in range(start, K, BLOCK_K):  # as above; see _fma_tile
-                cols = k0 + tl.arange(0, BLOCK_K)
-                col_mask = cols < K
-                x = tl.load(x_row + cols, mask=col_mask, other=0.0)
-                x = x.to(tl.float32)
-                if HAS_NORM:
-                    sum_sq += x * x
-                    x = x * tl.load(norm_w_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
-                mask = row_mask[:, None] & col_mask[None, :]
-                wa = tl.load(w_a + cols[None, :], mask=mask, other=0.0)
+                x, sum_sq = _x_tile_fma(x_row, norm_w_ptr, cols, col_mask, sum_sq, HAS_NORM)
                 acc_a += wa.to(tl.float32) * x[None, :]
                 if PAIRED:
-                    wb = tl.load(w_b + cols[None, :], mask=mask, other=0.0)
                     acc_b += wb.to(tl.float32) * x[None, :]
+                start = BLOCK_K
+            for k0 in range(start, K, BLOCK_K):
+                cols = k0 + tl.arange(0, BLOCK_K)
+                col_mask = cols < K
+                x, sum_sq = _x_tile_fma(x_row, norm_w_ptr, cols, col_mask, sum_sq, HAS_NORM)
+                acc_a += _weight_tile(w_a, cols, row_mask, col_mask).to(tl.float32) * x[None, :]
+                if PAIRED:
+                    acc_b += (_weight_tile(w_b, cols, row_mask, col_mask).to(tl.float32)
+                              * x[None, :])
             y_a = tl.sum(acc_a, axis=1)
             y_b = tl.sum(acc_b, axis=1)
             if HAS_NORM:
@@ -246,53 +237,42 @@ def _gemv_kernel(
                       HAS_BIAS, EPILOGUE, HEAD_DIM, NUM_ROPE_HEADS)
 
 
-# _weight_tile + _fma_tile / _dot_tile: the loop body, for the tile peeled off before the
-# PDL wait. The loops keep their own copies (x loaded before w) so that with USE_PDL off
-# the kernel compiles to the code it was before the peel.
 @triton.jit
-def _weight_tile(w_a, w_b, cols, row_mask, col_mask, PAIRED: tl.constexpr):
-    mask = row_mask[:, None] & col_mask[None, :]
-    wa = tl.load(w_a + cols[None, :], mask=mask, other=0.0)
-    if PAIRED:
-        wb = tl.load(w_b + cols[None, :], mask=mask, other=0.0)
-    else:
-        wb = wa
-    return wa, wb
+def _weight_tile(w_rows, cols, row_mask, col_mask):
+    """[BLOCK_N, BLOCK_K] of the weight: w_rows points at each row's first element."""
+    return tl.load(w_rows + cols[None, :], mask=row_mask[:, None] & col_mask[None, :], other=0.0)
 
 
 @triton.jit
-def _fma_tile(acc_a, acc_b, sum_sq, wa, wb, x_row, norm_w_ptr, cols, col_mask,
-              HAS_NORM: tl.constexpr, PAIRED: tl.constexpr):
+def _x_tile_fma(x_row, norm_w_ptr, cols, col_mask, sum_sq, HAS_NORM: tl.constexpr):
+    """One token's input columns in float32, times the norm weight; sum x^2 accumulates."""
     x = tl.load(x_row + cols, mask=col_mask, other=0.0).to(tl.float32)
     if HAS_NORM:
         sum_sq += x * x
         x = x * tl.load(norm_w_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
-    acc_a += wa.to(tl.float32) * x[None, :]
-    if PAIRED:
-        acc_b += wb.to(tl.float32) * x[None, :]
-    return acc_a, acc_b, sum_sq
+    return x, sum_sq
 
 
 @triton.jit
-def _dot_tile(acc_a, acc_b, sum_sq, wa, wb, x_ptr, offs_m, stride_x, norm_w_ptr, cols,
-              col_mask, M: tl.constexpr, HAS_NORM: tl.constexpr, PAIRED: tl.constexpr,
-              IEEE: tl.constexpr):
+def _x_tile_dot(x_ptr, w_ptr, norm_w_ptr, offs_m, stride_x, cols, col_mask, sum_sq,
+                M: tl.constexpr, HAS_NORM: tl.constexpr):
+    """[BLOCK_K, BLOCK_M] of the token rows (rows past M are 0), times the norm weight and
+    back in the weight's dtype for tl.dot; sum x^2 per token accumulates."""
     xt = tl.load(x_ptr + offs_m[None, :] * stride_x + cols[:, None],
                  mask=(offs_m < M)[None, :] & col_mask[:, None], other=0.0)
     if HAS_NORM:
         xf = xt.to(tl.float32)
         sum_sq += tl.sum(xf * xf, axis=0)
         g = tl.load(norm_w_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
-        xt = (xf * g[:, None]).to(wa.dtype)
+        xt = (xf * g[:, None]).to(w_ptr.dtype.element_ty)
+    return xt, sum_sq
+
+
+@triton.jit
+def _dot(w, xt, acc, IEEE: tl.constexpr):
     if IEEE:
-        acc_a = tl.dot(wa, xt, acc_a, input_precision="ieee")
-        if PAIRED:
-            acc_b = tl.dot(wb, xt, acc_b, input_precision="ieee")
-    else:
-        acc_a = tl.dot(wa, xt, acc_a)
-        if PAIRED:
-            acc_b = tl.dot(wb, xt, acc_b)
-    return acc_a, acc_b, sum_sq
+        return tl.dot(w, xt, acc, input_precision="ieee")
+    return tl.dot(w, xt, acc)
 
 
 @functools.cache
