@@ -161,15 +161,9 @@ def _gemv_kernel(
         sum_sq = tl.zeros([BLOCK_M], dtype=tl.float32)
         start = 0
         if USE_PDL:
-            # The first weight tile does not depend on the previous kernel: load it while
-            # that kernel drains, then wait for its output (x). The loop's steps, with the
-            # weight load moved ahead of the wait.
-            cols = tl.arange(0, BLOCK_K)
-            col_mask = cols < K
-            wa = _weight_tile(w_a, cols, row_mask, col_mask)
-            if PAIRED:
-                wb = _weight_tile(w_b, cols, row_mask, col_mask)
-            pdl_wait_and_release()
+            # The loop's first step, with the weight load moved ahead of the PDL wait.
+            cols, col_mask, wa, wb = _first_weights_then_wait(w_a, w_b, row_mask, K, BLOCK_K,
+                                                              PAIRED)
             xt, sum_sq = _x_tile_dot(x_ptr, w_ptr, norm_w_ptr, offs_m, stride_x, cols,
                                      col_mask, sum_sq, M, HAS_NORM)
             acc_a = _dot(wa, xt, acc_a, IEEE)
@@ -206,12 +200,8 @@ def _gemv_kernel(
             x_row = x_ptr + m * stride_x
             start = 0
             if USE_PDL and m == 0:  # see the dot branch
-                cols = tl.arange(0, BLOCK_K)
-                col_mask = cols < K
-                wa = _weight_tile(w_a, cols, row_mask, col_mask)
-                if PAIRED:
-                    wb = _weight_tile(w_b, cols, row_mask, col_mask)
-                pdl_wait_and_release()
+                cols, col_mask, wa, wb = _first_weights_then_wait(w_a, w_b, row_mask, K,
+                                                                  BLOCK_K, PAIRED)
                 x, sum_sq = _x_tile_fma(x_row, norm_w_ptr, cols, col_mask, sum_sq, HAS_NORM)
                 acc_a += wa.to(tl.float32) * x[None, :]
                 if PAIRED:
@@ -235,6 +225,22 @@ def _gemv_kernel(
                       bias_ptr, residual_ptr, out_ptr, positions_ptr, cos_sin_ptr,
                       stride_r, stride_o, stride_cs,
                       HAS_BIAS, EPILOGUE, HEAD_DIM, NUM_ROPE_HEADS)
+
+
+@triton.jit
+def _first_weights_then_wait(w_a, w_b, row_mask, K: tl.constexpr, BLOCK_K: tl.constexpr,
+                             PAIRED: tl.constexpr):
+    """Under PDL: the first K tile of the weights (they never depend on the kernel before),
+    then the wait for that kernel's output. Returns the tile's columns, their mask and the
+    weight tiles (wb is wa when not PAIRED)."""
+    cols = tl.arange(0, BLOCK_K)
+    col_mask = cols < K
+    wa = _weight_tile(w_a, cols, row_mask, col_mask)
+    wb = wa
+    if PAIRED:
+        wb = _weight_tile(w_b, cols, row_mask, col_mask)
+    pdl_wait_and_release()
+    return cols, col_mask, wa, wb
 
 
 @triton.jit
