@@ -69,21 +69,9 @@ class PreparedInputs:
         self, block_table: torch.Tensor, block_size: int
     ) -> CommonAttentionMetadata:
         """block_table: the committed device table; rows past num_reqs are zero there."""
-        return CommonAttentionMetadata(
-            query_start_loc=self.query_start_loc,
-            seq_lens=self.seq_lens,
-            block_table=block_table[: self.num_reqs_padded],
-            slot_mapping=self.slot_mapping,
-            num_reqs=self.num_reqs,
-            num_actual_tokens=self.num_tokens,
-            max_query_len=self.max_query_len,
-            max_seq_len=self.max_seq_len,
-            num_decodes=self.num_decodes,
-            num_prefills=self.num_reqs - self.num_decodes,
-            num_decode_tokens=self.num_decode_tokens,
-            block_size=block_size,
-            query_start_loc_cpu=self.query_start_loc_cpu,
-            seq_lens_cpu=self.seq_lens_cpu,
+        return CommonAttentionMetadata.for_batch(
+            self, block_table[: self.num_reqs_padded], self.slot_mapping, block_size,
+            query_start_loc_cpu=self.query_start_loc_cpu, seq_lens_cpu=self.seq_lens_cpu,
         )
 
 

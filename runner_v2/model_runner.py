@@ -184,20 +184,9 @@ class GPUModelRunner(RunnerSetupMixin):
         return batch, desc
 
     def _common_metadata(self, batch: InputBatch) -> CommonAttentionMetadata:
-        return CommonAttentionMetadata(
-            query_start_loc=batch.query_start_loc,
-            seq_lens=batch.seq_lens,
-            block_table=self._block_table,
-            slot_mapping=self._slot_mapping,
-            num_reqs=batch.num_reqs,
-            num_actual_tokens=batch.num_tokens,
-            max_query_len=batch.max_query_len,
-            max_seq_len=batch.max_seq_len,
-            num_decodes=batch.num_decodes,
-            num_prefills=batch.num_reqs - batch.num_decodes,
-            num_decode_tokens=batch.num_decode_tokens,
-            block_size=self.block_size,
-            # host copies: exact here (the scheduler's counts) and used only by TORCH
+        # host copies: exact here (the scheduler's counts) and used only by TORCH
+        return CommonAttentionMetadata.for_batch(
+            batch, self._block_table, self._slot_mapping, self.block_size,
             query_start_loc_cpu=torch.from_numpy(batch.query_start_loc_np),
             seq_lens_cpu=torch.from_numpy(batch.seq_lens_np),
         )
