@@ -1,11 +1,13 @@
 """Decode step time vs the HBM floor, both runners side by side (issue: CUDA graphs).
 
   python3 scripts/bench_decode.py --out decode.json [--steps N] [--skip-llama] [--skip-qwen]
+      [--rows v1,v2,...] [--repeats N]
 
 1. llama-3-8b shape, dummy bf16 weights, batch 1, context 1024, FULL graphs:
    step time against floor = non-embedding weight bytes / measured read bandwidth, for
-   V1, V2, V2 with async scheduling, V1 with the fused GEMVs off ("v1-cublas") and V1
-   without programmatic dependent launch ("v1-nopdl").
+   V1, V2, V2 with async scheduling, V1 with the fused GEMVs off ("v1-cublas"), V1
+   without programmatic dependent launch ("v1-nopdl") and V1 ignoring the launch table's
+   PEEL ("v1-nopeel"); see make_engine for the modes a row may combine.
 2. qwen3-0.6b shape, batch 1 / 64 / 256 / 512: GPU and wall step time per runner,
    graphs vs eager, and the launch-bound gap at batch 1.
 """
@@ -26,24 +28,26 @@ from shared.bench.measure import measure_read_bandwidth, run_decode
 from shared.engine import LLMEngine
 from shared.model import gemv
 
-LLAMA_RUNNERS = ("v1-cublas", "v1-nopdl", "v1", "v2", "v2-async")
+LLAMA_RUNNERS = ("v1-cublas", "v1-nopdl", "v1-nopeel", "v1", "v2", "v2-async")
 
 
 def make_engine(model: str, runner: str, eager: bool, max_num_seqs: int, sizes: list[int],
                 max_model_len: int, blocks: int) -> LLMEngine:
     """runner: "v1" or "v2", then optionally "-" and modes joined by "+", each for the
     engine's graph capture and every step after it: "async" (the engine's async
-    scheduling), "cublas" (batch-1 fused GEMV path off: cuBLAS + separate kernels), or "nopdl"
-    (no programmatic dependent launch). E.g. "v1-cublas+nopdl"."""
+    scheduling), "cublas" (batch-1 fused GEMV path off: cuBLAS + separate kernels), "nopdl"
+    (no programmatic dependent launch), "nopeel" (the GEMVs load one K tile before the PDL
+    wait, whatever the launch table says). E.g. "v1-cublas+nopdl"."""
     from policy import EngineArgs
 
     runner, _, mode = runner.partition("-")
     modes = set(mode.split("+")) - {""}
-    unknown = modes - {"async", "cublas", "nopdl"}
+    unknown = modes - {"async", "cublas", "nopdl", "nopeel"}
     if unknown:
         raise ValueError(f"bench_decode --rows: unknown mode(s) {sorted(unknown)} in {runner}-{mode}")
     gemv.ENABLED = "cublas" not in modes
     triton_utils.PDL_ENABLED = "nopdl" not in modes
+    gemv.PEEL_ENABLED = "nopeel" not in modes
     args = EngineArgs(
         async_scheduling="async" in modes,
         model=model, load_format="dummy", dtype="bfloat16", device="cuda", seed=0,
@@ -67,7 +71,7 @@ def llama_row(runner: str, bw: float, steps: int) -> tuple[dict, dict]:
     weight_bytes = engine.runner.executor.weight_bytes(include_embedding=False)
     samples, steady_ms, tokens = run_decode(engine, 1, 1024, warmup=10, steps=steps, tag="r")
     free(engine)
-    gemv.ENABLED = triton_utils.PDL_ENABLED = True
+    gemv.ENABLED = triton_utils.PDL_ENABLED = gemv.PEEL_ENABLED = True
     s = samples.summary()
     floor_ms = weight_bytes / bw * 1e3
     gpu_ms = s["forward_gpu_ms"]["median"]

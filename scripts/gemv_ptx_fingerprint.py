@@ -16,6 +16,7 @@ debug info and line markers are dropped, so moving code between lines changes no
 from __future__ import annotations
 
 import hashlib
+import inspect
 import json
 import os
 import re
@@ -44,6 +45,7 @@ VARIANTS = [
     ("dot_8_tokens_rope", 1, "rope", 16, 256, 3, 4, 4096, 8, False),
     ("fma_bias_odd_k", 0, "none", 16, 256, 2, 4, 1000, 2, True),
 ]
+_SIGNATURE = inspect.signature(gemv._gemv_kernel.fn)
 POINTERS = ("x_ptr", "w_ptr", "bias_ptr", "norm_w_ptr", "residual_ptr", "out_ptr")
 
 
@@ -55,6 +57,9 @@ def fingerprint(name, use_dot, epilogue, block_n, block_k, stages, warps, k, m, 
         EPILOGUE=gemv._EPILOGUES[epilogue], HEAD_DIM=128 if epilogue == "rope" else 0,
         NUM_ROPE_HEADS=40 if epilogue == "rope" else 0, USE_PDL=pdl,
     )
+    # Constexprs with defaults: as a launch that does not pass them fills them in.
+    const.update({name: p.default for name, p in _SIGNATURE.parameters.items()
+                  if name not in const and p.default is not inspect.Parameter.empty})
     sig = {p: "*" + dtype for p in POINTERS}
     sig.update({"positions_ptr": "*i64", "cos_sin_ptr": "*fp32", "N_OUT": "i32",
                 "stride_x": "i32", "stride_r": "i32", "stride_o": "i32", "stride_cs": "i32",

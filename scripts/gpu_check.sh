@@ -6,7 +6,7 @@
 #
 # Stages run in the order of this file, whatever the order of the arguments: gemv comes
 # first because it tunes the GEMV launch table (shared/model/gemv_configs.json) that the
-# later stages' models read.
+# later stages' models read. GEMV_ARGS=--from-table skips the sweep (see bench_gemv.py).
 #
 # Run through the device tool from the repository root, carrying `.whl`:
 #   python3 -m pip download ... -d .whl pydantic==2.14.4 pydantic-core==2.50.5 \
@@ -32,7 +32,7 @@ status=0
 
 if want gemv; then
   python3 scripts/bench_gemv.py --out "$OUT/gemv.json" \
-    --configs-out shared/model/gemv_configs.json 2>&1 | tee "$OUT/gemv.log"
+    --configs-out shared/model/gemv_configs.json ${GEMV_ARGS:-} 2>&1 | tee "$OUT/gemv.log"
   cp shared/model/gemv_configs.json "$OUT/gemv_configs.json"
 fi
 if want tests; then

@@ -45,6 +45,9 @@ from shared.triton_utils import pdl_wait_and_release, tl, triton, use_pdl
 MAX_TOKENS = 1
 # Module switch (benchmarks and tests flip it): False = cuBLAS + separate kernels.
 ENABLED = True
+# Module switch for the launch table's PEEL (K tiles loaded before the PDL wait): False
+# loads one, as the sweep did (benchmarks flip it to measure the difference).
+PEEL_ENABLED = True
 
 _EPILOGUES = {"none": 0, "residual": 1, "silu": 2, "rope": 3}
 _CONFIG_FILE = Path(__file__).with_name("gemv_configs.json")
@@ -147,6 +150,7 @@ def _gemv_kernel(
     HEAD_DIM: tl.constexpr,  # ROPE only
     NUM_ROPE_HEADS: tl.constexpr,  # ROPE: q + k heads (rotated); the v heads after are not
     USE_PDL: tl.constexpr,  # launched with programmatic dependent launch (sm_90+)
+    PEEL: tl.constexpr = 1,  # K tiles loaded before the PDL wait (> 1: peeled without PDL too)
 ):
     rows_a, rows_b, row_mask, head, dims = _program_rows(
         tl.program_id(0), N_OUT, BLOCK_N, EPILOGUE, HEAD_DIM)
@@ -160,16 +164,19 @@ def _gemv_kernel(
         acc_b = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
         sum_sq = tl.zeros([BLOCK_M], dtype=tl.float32)
         start = 0
-        if USE_PDL:
-            # The loop's first step, with the weight load moved ahead of the PDL wait.
-            cols, col_mask, wa, wb = _first_weights_then_wait(w_a, w_b, row_mask, K, BLOCK_K,
-                                                              PAIRED)
-            xt, sum_sq = _x_tile_dot(x_ptr, w_ptr, norm_w_ptr, offs_m, stride_x, cols,
-                                     col_mask, sum_sq, M, HAS_NORM)
-            acc_a = _dot(wa, xt, acc_a, IEEE)
+        if USE_PDL or PEEL > 1:
+            # The loop's first PEEL steps as one, with the weight load moved ahead of the
+            # PDL wait: more weight bytes in flight while the kernel before drains.
+            # (own names: a variable the loop below reassigns would become loop-carried,
+            # and must then keep its shape)
+            cols0, mask0, wa, wb = _first_weights_then_wait(
+                w_a, w_b, row_mask, K, PEEL * BLOCK_K, PAIRED, USE_PDL)
+            xt0, sum_sq = _x_tile_dot(x_ptr, w_ptr, norm_w_ptr, offs_m, stride_x, cols0, mask0,
+                                      sum_sq, M, HAS_NORM)
+            acc_a = _dot(wa, xt0, acc_a, IEEE)
             if PAIRED:
-                acc_b = _dot(wb, xt, acc_b, IEEE)
-            start = BLOCK_K
+                acc_b = _dot(wb, xt0, acc_b, IEEE)
+            start = PEEL * BLOCK_K
         for k0 in range(start, K, BLOCK_K):
             cols = k0 + tl.arange(0, BLOCK_K)
             col_mask = cols < K
@@ -199,14 +206,20 @@ def _gemv_kernel(
             sum_sq = tl.zeros([BLOCK_K], dtype=tl.float32)
             x_row = x_ptr + m * stride_x
             start = 0
-            if USE_PDL and m == 0:  # see the dot branch
-                cols, col_mask, wa, wb = _first_weights_then_wait(w_a, w_b, row_mask, K,
-                                                                  BLOCK_K, PAIRED)
-                x, sum_sq = _x_tile_fma(x_row, norm_w_ptr, cols, col_mask, sum_sq, HAS_NORM)
-                acc_a += wa.to(tl.float32) * x[None, :]
+            if (USE_PDL or PEEL > 1) and m == 0:  # see the dot branch
+                cols0, mask0, wa, wb = _first_weights_then_wait(
+                    w_a, w_b, row_mask, K, PEEL * BLOCK_K, PAIRED, USE_PDL)
+                if PEEL == 1:
+                    x0, sum_sq = _x_tile_fma(x_row, norm_w_ptr, cols0, mask0, sum_sq, HAS_NORM)
+                else:  # sum x^2 over the PEEL tiles, folded into the accumulator's shape
+                    x0, sq = _x_tile_fma(x_row, norm_w_ptr, cols0, mask0,
+                                         tl.zeros([PEEL * BLOCK_K], dtype=tl.float32), HAS_NORM)
+                    sum_sq += tl.sum(tl.reshape(sq, [PEEL, BLOCK_K]), axis=0)
+                acc_a += _fold_tiles(wa.to(tl.float32) * x0[None, :], BLOCK_N, BLOCK_K, PEEL)
                 if PAIRED:
-                    acc_b += wb.to(tl.float32) * x[None, :]
-                start = BLOCK_K
+                    acc_b += _fold_tiles(wb.to(tl.float32) * x0[None, :], BLOCK_N, BLOCK_K,
+                                         PEEL)
+                start = PEEL * BLOCK_K
             for k0 in range(start, K, BLOCK_K):
                 cols = k0 + tl.arange(0, BLOCK_K)
                 col_mask = cols < K
@@ -228,19 +241,29 @@ def _gemv_kernel(
 
 
 @triton.jit
-def _first_weights_then_wait(w_a, w_b, row_mask, K: tl.constexpr, BLOCK_K: tl.constexpr,
-                             PAIRED: tl.constexpr):
-    """Under PDL: the first K tile of the weights (they never depend on the kernel before),
-    then the wait for that kernel's output. Returns the tile's columns, their mask and the
-    weight tiles (wb is wa when not PAIRED)."""
-    cols = tl.arange(0, BLOCK_K)
+def _first_weights_then_wait(w_a, w_b, row_mask, K: tl.constexpr, COLS: tl.constexpr,
+                             PAIRED: tl.constexpr, USE_PDL: tl.constexpr):
+    """The first COLS columns of the weights (they never depend on the kernel before),
+    then, under PDL, the wait for that kernel's output. Returns the columns, their mask
+    and the weight tiles (wb is wa when not PAIRED)."""
+    cols = tl.arange(0, COLS)
     col_mask = cols < K
     wa = _weight_tile(w_a, cols, row_mask, col_mask)
     wb = wa
     if PAIRED:
         wb = _weight_tile(w_b, cols, row_mask, col_mask)
-    pdl_wait_and_release()
+    if USE_PDL:
+        pdl_wait_and_release()
     return cols, col_mask, wa, wb
+
+
+@triton.jit
+def _fold_tiles(prod, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PEEL: tl.constexpr):
+    """[BLOCK_N, PEEL * BLOCK_K] -> [BLOCK_N, BLOCK_K], the FMA accumulator's shape: sums
+    the PEEL tiles column by column (a no-op at PEEL 1)."""
+    if PEEL == 1:
+        return prod
+    return tl.sum(tl.reshape(prod, [BLOCK_N, PEEL, BLOCK_K]), axis=1)
 
 
 @triton.jit
@@ -294,14 +317,14 @@ def config_key(epilogue: str, has_norm: bool, rows: int, k: int, m: int,
     return f"{epilogue}{'+norm' if has_norm else ''}:{rows}x{k}:m{m}:{str(dtype)[6:]}"
 
 
-def _config_for(x: torch.Tensor, key: str, override) -> tuple[int, int, int, int, int]:
+def _config_for(x: torch.Tensor, key: str, override) -> tuple[int, int, int, int, int, int]:
     if override is not None:
         config = tuple(override)
     elif not x.is_cuda:
         config = _DEFAULT_CONFIG
     else:
         config = tuple(_config_table(torch.cuda.get_device_name(x.device)).get(key, _DEFAULT_CONFIG))
-    return config + (0,) * (5 - len(config))  # 4-tuples: the FMA kernel
+    return config + (0, 1)[len(config) - 4:]  # 4-tuples: the FMA kernel; PEEL 1
 
 
 def gemv(
@@ -317,7 +340,7 @@ def gemv(
     cos_sin_cache: torch.Tensor | None = None,  # [max_position, head_dim] (ROPE)
     head_dim: int = 0,  # ROPE
     num_rope_heads: int = 0,  # ROPE: leading heads to rotate (q and k)
-    config: tuple | None = None,  # (BLOCK_N, BLOCK_K, warps, stages[, use_dot])
+    config: tuple | None = None,  # (BLOCK_N, BLOCK_K, warps, stages[, use_dot[, peel]])
 ) -> torch.Tensor:
     """out = epilogue(norm?(x) @ weight.T + bias): [M, rows], or [M, rows / 2] for SILU.
     One launch."""
@@ -333,7 +356,9 @@ def gemv(
     if num_tokens == 0:
         return out
     key = config_key(epilogue, norm_weight is not None, rows, k, num_tokens, x.dtype)
-    block_n, block_k, num_warps, num_stages, use_dot = _config_for(x, key, config)
+    block_n, block_k, num_warps, num_stages, use_dot, peel = _config_for(x, key, config)
+    if not PEEL_ENABLED:
+        peel = 1
     if use_dot:
         block_n = max(block_n, 16)  # tl.dot's smallest tile
     if epilogue == "rope":
@@ -365,6 +390,6 @@ def gemv(
         BLOCK_M=max(16, triton.next_power_of_2(num_tokens)), IEEE=x.dtype == torch.float32,
         HAS_BIAS=bias is not None, HAS_NORM=norm_weight is not None,
         EPILOGUE=_EPILOGUES[epilogue], HEAD_DIM=head_dim, NUM_ROPE_HEADS=num_rope_heads,
-        USE_PDL=pdl, **extra,
+        USE_PDL=pdl, PEEL=peel, **extra,
     )
     return out

@@ -46,9 +46,11 @@ def _rope_ref(qkv, positions, cos_sin, num_heads, num_kv_heads, head_dim):
     return torch.cat([q.reshape(m, -1), k.reshape(m, -1), v], dim=-1)
 
 
-# (BLOCK_N, BLOCK_K, warps, stages, use_dot): partial row/col tiles, both kernels
+# (BLOCK_N, BLOCK_K, warps, stages[, use_dot[, peel]]): partial row/col tiles, both kernels;
+# the first `peel` K tiles loaded as one (the PDL prologue), inside K and past it.
 CONFIGS_SMALL = [(8, 128, 4, 2, 0), (4, 64, 2, 3, 0), (16, 512, 4, 2, 0), (16, 64, 4, 2, 1),
-                 (32, 128, 4, 2, 1)]
+                 (32, 128, 4, 2, 1), (8, 64, 4, 2, 0, 2), (16, 32, 4, 2, 1, 4),
+                 (4, 128, 2, 3, 0, 4)]
 
 
 @pytest.mark.parametrize("m", [1, 3, 17])
@@ -83,7 +85,8 @@ def test_norm_prologue_and_silu(m, config):
 
 @pytest.mark.parametrize("head_dim,config", [(16, (8, 64, 4, 2)), (16, (4, 128, 4, 2)),
                                              (24, (16, 64, 4, 2)), (32, (16, 32, 4, 2, 1)),
-                                             (16, (16, 32, 4, 2, 1))])
+                                             (16, (16, 32, 4, 2, 1)), (16, (8, 32, 4, 2, 0, 2)),
+                                             (32, (16, 16, 4, 2, 1, 4))])
 def test_rope_epilogue_matches_transformers(head_dim, config):
     """head_dim 24: a half head of 12 is tiled by 4-row blocks (the launcher shrinks 16);
     head_dim 16 with the dot kernel: an 8-row half head falls back to the FMA kernel."""
@@ -210,7 +213,8 @@ def test_config_table_is_well_formed():
     real key and a runnable config shape; the llama-3-8b decode shapes are all tuned."""
     table = gemv._config_table("NVIDIA H200")
     for key, cfg in table.items():
-        assert len(cfg) == 5 and cfg[0] >= 1 and cfg[1] >= 16 and cfg[4] in (0, 1), (key, cfg)
+        assert len(cfg) in (5, 6) and cfg[0] >= 1 and cfg[1] >= 16 and cfg[4] in (0, 1), (key, cfg)
+        assert len(cfg) == 5 or cfg[5] in (1, 2, 4, 8), (key, cfg)  # peel: tiles, a power of 2
         assert cfg[4] == 0 or cfg[0] >= 16, (key, cfg)  # tl.dot's smallest tile
     bf16 = torch.bfloat16
     for key in [gemv.config_key("rope", True, 6144, 4096, 1, bf16),
