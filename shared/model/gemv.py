@@ -268,7 +268,7 @@ def _fold_tiles(prod, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PEEL: tl.con
 
 @triton.jit
 def _weight_tile(w_rows, cols, row_mask, col_mask):
-    """[BLOCK_N, BLOCK_K] of the weight: w_rows points at each row's first element."""
+    """[BLOCK_N, len(cols)] of the weight: w_rows points at each row's first element."""
     return tl.load(w_rows + cols[None, :], mask=row_mask[:, None] & col_mask[None, :], other=0.0)
 
 
