@@ -165,4 +165,3 @@ def _launch_single_query(
             BLOCK_S=next_power_of_2(num_splits), MIN_TILES_PER_SPLIT=_MIN_TILES_PER_SPLIT,
             num_warps=4, **pdl_launch(query),
         )
-

@@ -37,7 +37,7 @@ from pathlib import Path
 import torch
 
 from shared.model import fused_ops
-from shared.triton_utils import pdl_wait_and_release, tl, triton, use_pdl
+from shared.triton_utils import pdl_launch, pdl_wait_and_release, tl, triton
 
 # Token counts up to this take the GEMV path. Measured (docs/results, h200_gemv.log): with
 # the M=1 configs a layer's fused GEMVs are only 1-3% faster than cuBLAS + separate kernels
@@ -149,7 +149,7 @@ def _gemv_kernel(
     EPILOGUE: tl.constexpr,  # 0 none, 1 residual, 2 silu, 3 rope
     HEAD_DIM: tl.constexpr,  # ROPE only
     NUM_ROPE_HEADS: tl.constexpr,  # ROPE: q + k heads (rotated); the v heads after are not
-    USE_PDL: tl.constexpr,  # launched with programmatic dependent launch (sm_90+)
+    USE_PDL: tl.constexpr = False,  # launched with programmatic dependent launch (sm_90+)
     PEEL: tl.constexpr = 1,  # K tiles loaded before the PDL wait (> 1: peeled without PDL too)
 ):
     rows_a, rows_b, row_mask, head, dims = _program_rows(
@@ -374,10 +374,9 @@ def gemv(
         grid = (triton.cdiv(n_out, block_n),)
     if epilogue == "residual":
         assert residual.shape == out.shape and residual.stride(-1) == 1, residual.shape
-    pdl = use_pdl(x)
     extra = {"num_warps": num_warps, "num_stages": num_stages} if x.is_cuda else {}
-    if pdl:  # launched while the previous kernel drains; see pdl_wait_and_release
-        extra["launch_pdl"] = True
+    # launched while the previous kernel drains where PDL is on; see pdl_wait_and_release
+    extra.update(pdl_launch(x))
     _gemv_kernel[grid](
         x, weight, x if bias is None else bias, x if norm_weight is None else norm_weight,
         x if residual is None else residual, out,
@@ -390,6 +389,6 @@ def gemv(
         BLOCK_M=max(16, triton.next_power_of_2(num_tokens)), IEEE=x.dtype == torch.float32,
         HAS_BIAS=bias is not None, HAS_NORM=norm_weight is not None,
         EPILOGUE=_EPILOGUES[epilogue], HEAD_DIM=head_dim, NUM_ROPE_HEADS=num_rope_heads,
-        USE_PDL=pdl, PEEL=peel, **extra,
+        PEEL=peel, **extra,
     )
     return out
