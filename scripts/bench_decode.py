@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import re
 import statistics
 import sys
 import time
@@ -24,6 +25,7 @@ import time
 import torch
 
 from shared import triton_utils
+from shared.attention import triton_unified_attention as attention
 from shared.bench.measure import measure_read_bandwidth, run_decode
 from shared.engine import LLMEngine
 from shared.model import gemv
@@ -36,18 +38,33 @@ def make_engine(model: str, runner: str, eager: bool, max_num_seqs: int, sizes: 
     """runner: "v1" or "v2", then optionally "-" and modes joined by "+", each for the
     engine's graph capture and every step after it: "async" (the engine's async
     scheduling), "cublas" (batch-1 fused GEMV path off: cuBLAS + separate kernels), "nopdl"
-    (no programmatic dependent launch), "nopeel" (the GEMVs load one K tile before the PDL
-    wait, whatever the launch table says). E.g. "v1-cublas+nopdl"."""
+    (no programmatic dependent launch), "early" / "earlygemv" / "earlyattn" (PDL kernels
+    of every group / the GEMVs / the attention kernels let the next one launch before
+    their own wait, triton_utils.PDL_EARLY_RELEASE), "attnminN" and "attntileN" for an
+    integer N (the decode attention's MIN_TILES_PER_SPLIT and SINGLE_QUERY_TILE_N), "nopeel" (the GEMVs load one K tile before the PDL
+    wait, whatever the launch table says), "peelB" for an integer B (as many K tiles as fit
+    B bytes of weights per thread, gemv.PEEL_BYTES_PER_THREAD). E.g. "v1-cublas+nopdl"."""
     from policy import EngineArgs
 
     runner, _, mode = runner.partition("-")
     modes = set(mode.split("+")) - {""}
-    unknown = modes - {"async", "cublas", "nopdl", "nopeel"}
+    numbered = {m: int(m.lstrip("abcdefghijklmnopqrstuvwxyz")) for m in modes
+                if re.fullmatch(r"(peel|attnmin|attntile)\d+", m)}
+    early = {"early": {"gemv", "attention"}, "earlygemv": {"gemv"}, "earlyattn": {"attention"}}
+    unknown = modes - {"async", "cublas", "nopdl", "nopeel"} - set(early) - set(numbered)
     if unknown:
         raise ValueError(f"bench_decode --rows: unknown mode(s) {sorted(unknown)} in {runner}-{mode}")
     gemv.ENABLED = "cublas" not in modes
     triton_utils.PDL_ENABLED = "nopdl" not in modes
+    triton_utils.PDL_EARLY_RELEASE = frozenset().union(*(early[m] for m in modes & set(early)))
     gemv.PEEL_ENABLED = "nopeel" not in modes
+    for m, n in numbered.items():
+        if m.startswith("peel"):
+            gemv.PEEL_BYTES_PER_THREAD = n
+        elif m.startswith("attnmin"):
+            attention.MIN_TILES_PER_SPLIT = n
+        else:
+            attention.SINGLE_QUERY_TILE_N = n
     args = EngineArgs(
         async_scheduling="async" in modes,
         model=model, load_format="dummy", dtype="bfloat16", device="cuda", seed=0,
@@ -57,6 +74,17 @@ def make_engine(model: str, runner: str, eager: bool, max_num_seqs: int, sizes: 
         enable_prefix_caching=False,
     )
     return LLMEngine.from_engine_args(args)
+
+
+_ATTENTION_DEFAULTS = (attention.MIN_TILES_PER_SPLIT, attention.SINGLE_QUERY_TILE_N)
+
+
+def reset_switches() -> None:
+    """The module switches make_engine's modes flip, back to their defaults."""
+    gemv.ENABLED = triton_utils.PDL_ENABLED = gemv.PEEL_ENABLED = True
+    triton_utils.PDL_EARLY_RELEASE = frozenset()
+    gemv.PEEL_BYTES_PER_THREAD = 0
+    attention.MIN_TILES_PER_SPLIT, attention.SINGLE_QUERY_TILE_N = _ATTENTION_DEFAULTS
 
 
 def free(engine: LLMEngine) -> None:
@@ -71,7 +99,7 @@ def llama_row(runner: str, bw: float, steps: int) -> tuple[dict, dict]:
     weight_bytes = engine.runner.executor.weight_bytes(include_embedding=False)
     samples, steady_ms, tokens = run_decode(engine, 1, 1024, warmup=10, steps=steps, tag="r")
     free(engine)
-    gemv.ENABLED = triton_utils.PDL_ENABLED = gemv.PEEL_ENABLED = True
+    reset_switches()
     s = samples.summary()
     floor_ms = weight_bytes / bw * 1e3
     gpu_ms = s["forward_gpu_ms"]["median"]

@@ -22,8 +22,12 @@ from shared.triton_utils import INTERPRET, next_power_of_2, pdl_launch, tl
 LOG2E = 1.4426950408889634
 
 # A split covers at least this many KV tiles, so short contexts are not cut into
-# splits whose partial write costs as much as their reads.
-_MIN_TILES_PER_SPLIT = 2
+# splits whose partial write costs as much as their reads. (Module values: benchmarks
+# change them, as they are read at each launch.)
+MIN_TILES_PER_SPLIT = 2
+# Keys per loop iteration of the decode (single-query) kernel for 16-bit inputs; None:
+# 64 up to head_dim 128, else 32.
+SINGLE_QUERY_TILE_N: int | None = None
 
 
 @dataclass(frozen=True)
@@ -41,7 +45,8 @@ def _single_query_config(group: int, block_d: int, wide: bool) -> _KernelConfig:
     block_m = max(16, next_power_of_2(group))
     if wide:  # see _multi_query_config
         return _KernelConfig(block_m, 1, 32, num_warps=8, num_stages=3)
-    return _KernelConfig(block_m, 1, 64 if block_d <= 128 else 32, num_warps=4, num_stages=3)
+    tile_n = SINGLE_QUERY_TILE_N or (64 if block_d <= 128 else 32)
+    return _KernelConfig(block_m, 1, tile_n, num_warps=4, num_stages=3)
 
 
 def _multi_query_config(group: int, block_d: int, wide: bool) -> _KernelConfig:
@@ -107,7 +112,7 @@ def paged_attention(
                  *key_cache.stride(), *value_cache.stride(), block_table.stride(0)),
         consts=dict(
             GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d, KV_BLOCK_SIZE=kv_block_size,
-            MIN_TILES_PER_SPLIT=_MIN_TILES_PER_SPLIT, DOT_DTYPE=dot_dtype,
+            MIN_TILES_PER_SPLIT=MIN_TILES_PER_SPLIT, DOT_DTYPE=dot_dtype,
             # fp32/fp64 inputs: exact products (no tf32), so results track the oracle.
             DOT_PRECISION="ieee" if dot_dtype in (tl.float32, tl.float64) else "tf32",
         ),
@@ -154,7 +159,7 @@ def _launch_single_query(
         *launch.tensors, part_out, part_max, part_sum, *launch.runtime, **launch.consts,
         BLOCK_M=cfg.block_m, BLOCK_Q=1, TILE_N=cfg.tile_n,
         SINGLE_QUERY=True, MIN_QUERY_LEN=1, NUM_SPLITS=num_splits,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(query),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(query, "attention"),
     )
     if num_splits > 1:
         seq_lens, query_start_loc = launch.tensors[5], launch.tensors[6]
@@ -162,6 +167,6 @@ def _launch_single_query(
             output, part_out, part_max, part_sum, seq_lens, query_start_loc,
             *output.stride(),
             HEAD_DIM=head_dim, BLOCK_D=block_d, TILE_N=cfg.tile_n, NUM_SPLITS=num_splits,
-            BLOCK_S=next_power_of_2(num_splits), MIN_TILES_PER_SPLIT=_MIN_TILES_PER_SPLIT,
-            num_warps=4, **pdl_launch(query),
+            BLOCK_S=next_power_of_2(num_splits), MIN_TILES_PER_SPLIT=MIN_TILES_PER_SPLIT,
+            num_warps=4, **pdl_launch(query, "attention"),
         )

@@ -139,10 +139,10 @@ def paged_attention_kernel(
     MIN_TILES_PER_SPLIT: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
-    USE_PDL: tl.constexpr = False,  # launched with programmatic dependent launch (sm_90+)
+    USE_PDL: tl.constexpr = 0,  # programmatic dependent launch: triton_utils.pdl_launch
 ):
     if USE_PDL:  # launched while the KV-cache write before it drains
-        pdl_wait_and_release()
+        pdl_wait_and_release(USE_PDL)
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -244,10 +244,10 @@ def reduce_splits_kernel(
     NUM_SPLITS: tl.constexpr,
     BLOCK_S: tl.constexpr,  # NUM_SPLITS rounded up to a power of 2
     MIN_TILES_PER_SPLIT: tl.constexpr,
-    USE_PDL: tl.constexpr = False,  # launched with programmatic dependent launch (sm_90+)
+    USE_PDL: tl.constexpr = 0,  # programmatic dependent launch: triton_utils.pdl_launch
 ):
     if USE_PDL:  # launched while the attention kernel that wrote the partials drains
-        pdl_wait_and_release()
+        pdl_wait_and_release(USE_PDL)
     req = tl.program_id(0)
     head = tl.program_id(1)
     num_heads = tl.num_programs(1)

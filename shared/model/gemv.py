@@ -48,6 +48,9 @@ ENABLED = True
 # Module switch for the launch table's PEEL (K tiles loaded before the PDL wait): False
 # loads one, as the sweep did (benchmarks flip it to measure the difference).
 PEEL_ENABLED = True
+# Benchmarks only: > 0 replaces the table's PEEL by the most K tiles (a power of two) whose
+# weights fit this many bytes per thread (they are held in registers across the wait).
+PEEL_BYTES_PER_THREAD = 0
 
 _EPILOGUES = {"none": 0, "residual": 1, "silu": 2, "rope": 3}
 _CONFIG_FILE = Path(__file__).with_name("gemv_configs.json")
@@ -149,7 +152,7 @@ def _gemv_kernel(
     EPILOGUE: tl.constexpr,  # 0 none, 1 residual, 2 silu, 3 rope
     HEAD_DIM: tl.constexpr,  # ROPE only
     NUM_ROPE_HEADS: tl.constexpr,  # ROPE: q + k heads (rotated); the v heads after are not
-    USE_PDL: tl.constexpr = False,  # launched with programmatic dependent launch (sm_90+)
+    USE_PDL: tl.constexpr = 0,  # programmatic dependent launch: triton_utils.pdl_launch
     PEEL: tl.constexpr = 1,  # K tiles loaded before the PDL wait (> 1: peeled without PDL too)
 ):
     rows_a, rows_b, row_mask, head, dims = _program_rows(
@@ -253,7 +256,7 @@ def _first_weights_then_wait(w_a, w_b, row_mask, K: tl.constexpr, COLS: tl.const
     if PAIRED:
         wb = _weight_tile(w_b, cols, row_mask, col_mask)
     if USE_PDL:
-        pdl_wait_and_release()
+        pdl_wait_and_release(USE_PDL)
     return cols, col_mask, wa, wb
 
 
@@ -327,6 +330,17 @@ def _config_for(x: torch.Tensor, key: str, override) -> tuple[int, int, int, int
     return config + (0, 1)[len(config) - 4:]  # 4-tuples: the FMA kernel; PEEL 1
 
 
+def _peel_within(budget: int, block_n: int, block_k: int, num_warps: int, k: int,
+                 bytes_per_element: int) -> int:
+    """The most K tiles, a power of two no more than K holds, whose weights take at most
+    `budget` bytes per thread (bytes_per_element counts both halves of a SILU weight)."""
+    tile = block_n * block_k * bytes_per_element / (32 * num_warps)
+    peel = 1
+    while 2 * peel * block_k <= k and 2 * peel * tile <= budget:
+        peel *= 2
+    return peel
+
+
 def gemv(
     x: torch.Tensor,  # [M, K]
     weight: torch.Tensor,  # [rows, K]
@@ -359,6 +373,9 @@ def gemv(
     block_n, block_k, num_warps, num_stages, use_dot, peel = _config_for(x, key, config)
     if not PEEL_ENABLED:
         peel = 1
+    elif PEEL_BYTES_PER_THREAD:
+        peel = _peel_within(PEEL_BYTES_PER_THREAD, block_n, block_k, num_warps, k,
+                            x.element_size() * (2 if epilogue == "silu" else 1))
     if use_dot:
         block_n = max(block_n, 16)  # tl.dot's smallest tile
     if epilogue == "rope":
@@ -376,7 +393,7 @@ def gemv(
         assert residual.shape == out.shape and residual.stride(-1) == 1, residual.shape
     extra = {"num_warps": num_warps, "num_stages": num_stages} if x.is_cuda else {}
     # launched while the previous kernel drains where PDL is on; see pdl_wait_and_release
-    extra.update(pdl_launch(x))
+    extra.update(pdl_launch(x, "gemv"))
     _gemv_kernel[grid](
         x, weight, x if bias is None else bias, x if norm_weight is None else norm_weight,
         x if residual is None else residual, out,

@@ -54,6 +54,18 @@ def test_long_decode_split_kv(num_splits):
     compare([1, 1, 1, 1], [600, 37, 150, 1], num_splits=num_splits, pad_tokens=2)
 
 
+@pytest.mark.parametrize("tile_n,min_tiles", [(16, 1), (32, 1), (64, 2)])
+def test_decode_tile_and_split_knobs_fp16(tile_n, min_tiles, monkeypatch):
+    # The 16-bit decode kernel with the benchmarks' knobs: keys per tile (one 16-key KV
+    # block, two, four) and tiles per split, over splits that are full, partial and empty.
+    from shared.attention import triton_unified_attention as attention
+
+    monkeypatch.setattr(attention, "SINGLE_QUERY_TILE_N", tile_n)
+    monkeypatch.setattr(attention, "MIN_TILES_PER_SPLIT", min_tiles)
+    compare([1, 1, 1], [300, 17, 1], block_size=16, num_splits=8, dtype=torch.float16,
+            atol=2e-3, rtol=2e-3, pad_tokens=2)
+
+
 def test_split_kv_independent_of_split_count():
     batch = make_batch([1, 1, 1], [420, 70, 5], 4, 2, 32, 8)
     one = run_backend(TritonBackend(num_splits=1), batch, 4, 32, 2)

@@ -229,7 +229,8 @@ def test_config_table_is_well_formed():
 def test_gpu_pdl_chain_in_a_graph_matches_plain_launches(monkeypatch):
     """A layer's four GEMVs (each reading the previous one's output) captured in a CUDA
     graph with programmatic dependent launch give bit-identical results to ordinary
-    launches: gdc_wait orders every read of x and residual after the producer."""
+    launches, whether each kernel releases the next one before or after its own wait:
+    gdc_wait orders every read of x and residual after the producer has completed."""
     dev, hidden, inter = "cuda", 4096, 14336
     bf16 = torch.bfloat16
     w_qkv = _randn(6144, hidden, seed=1, dtype=bf16, device=dev, scale=hidden**-0.5)
@@ -246,8 +247,10 @@ def test_gpu_pdl_chain_in_a_graph_matches_plain_launches(monkeypatch):
         return gemv.gemv(act, w_d, epilogue="residual", residual=h)
 
     results = {}
-    for pdl in (False, True):
+    for pdl, early in ((False, False), (True, False), (True, True)):
         monkeypatch.setattr(triton_utils, "PDL_ENABLED", pdl)
+        monkeypatch.setattr(triton_utils, "PDL_EARLY_RELEASE",
+                            frozenset({"gemv"} if early else ()))
         layer()
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
@@ -255,6 +258,7 @@ def test_gpu_pdl_chain_in_a_graph_matches_plain_launches(monkeypatch):
             out = layer()
         graph.replay()
         torch.cuda.synchronize()
-        results[pdl] = out.clone()
-    assert torch.equal(results[True], results[False])
-    assert results[True].float().std() > 0.1
+        results[pdl, early] = out.clone()
+    assert torch.equal(results[True, False], results[False, False])
+    assert torch.equal(results[True, True], results[False, False])
+    assert results[True, True].float().std() > 0.1
