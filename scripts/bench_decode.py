@@ -25,6 +25,7 @@ import time
 import torch
 
 from shared import triton_utils
+from shared.attention import triton_backend
 from shared.attention import triton_unified_attention as attention
 from shared.bench.measure import measure_read_bandwidth, run_decode
 from shared.engine import LLMEngine
@@ -41,7 +42,8 @@ def make_engine(model: str, runner: str, eager: bool, max_num_seqs: int, sizes: 
     (no programmatic dependent launch), "early" / "earlygemv" / "earlyattn" (PDL kernels
     of every group / the GEMVs / the attention kernels let the next one launch before
     their own wait, triton_utils.PDL_EARLY_RELEASE), "attnminN" and "attntileN" for an
-    integer N (the decode attention's MIN_TILES_PER_SPLIT and SINGLE_QUERY_TILE_N), "nopeel" (the GEMVs load one K tile before the PDL
+    integer N (the decode attention's MIN_TILES_PER_SPLIT and SINGLE_QUERY_TILE_N),
+    "nofusedkv" (a KV-write kernel before the decode attention, not inside it), "nopeel" (the GEMVs load one K tile before the PDL
     wait, whatever the launch table says), "peelB" for an integer B (as many K tiles as fit
     B bytes of weights per thread, gemv.PEEL_BYTES_PER_THREAD). E.g. "v1-cublas+nopdl"."""
     from policy import EngineArgs
@@ -51,13 +53,15 @@ def make_engine(model: str, runner: str, eager: bool, max_num_seqs: int, sizes: 
     numbered = {m: int(m.lstrip("abcdefghijklmnopqrstuvwxyz")) for m in modes
                 if re.fullmatch(r"(peel|attnmin|attntile)\d+", m)}
     early = {"early": {"gemv", "attention"}, "earlygemv": {"gemv"}, "earlyattn": {"attention"}}
-    unknown = modes - {"async", "cublas", "nopdl", "nopeel"} - set(early) - set(numbered)
+    unknown = (modes - {"async", "cublas", "nopdl", "nopeel", "nofusedkv"} - set(early)
+               - set(numbered))
     if unknown:
         raise ValueError(f"bench_decode --rows: unknown mode(s) {sorted(unknown)} in {runner}-{mode}")
     gemv.ENABLED = "cublas" not in modes
     triton_utils.PDL_ENABLED = "nopdl" not in modes
     triton_utils.PDL_EARLY_RELEASE = frozenset().union(*(early[m] for m in modes & set(early)))
     gemv.PEEL_ENABLED = "nopeel" not in modes
+    triton_backend.FUSED_DECODE_KV_WRITE = "nofusedkv" not in modes
     for m, n in numbered.items():
         if m.startswith("peel"):
             gemv.PEEL_BYTES_PER_THREAD = n
@@ -84,6 +88,7 @@ def reset_switches() -> None:
     gemv.ENABLED = triton_utils.PDL_ENABLED = gemv.PEEL_ENABLED = True
     triton_utils.PDL_EARLY_RELEASE = frozenset()
     gemv.PEEL_BYTES_PER_THREAD = 0
+    triton_backend.FUSED_DECODE_KV_WRITE = True
     attention.MIN_TILES_PER_SPLIT, attention.SINGLE_QUERY_TILE_N = _ATTENTION_DEFAULTS
 
 

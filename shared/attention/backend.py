@@ -2,7 +2,11 @@
 
 A backend is a builder (turns CommonAttentionMetadata into its own metadata, once per
 step) plus an impl (runs attention for one layer over the paged cache). The KV write
-is shared by all backends (shared.attention.kv_write) and happens in the layer.
+is shared by all backends (shared.attention.kv_write) and happens in the layer, except
+where an impl offers `fuses_kv_write(metadata) -> bool` and it says yes for the step:
+then the layer calls `forward_with_kv_write(query, key, value, key_cache, value_cache,
+metadata, output)` instead, which must leave the cache as write_kv would (TRITON does
+this for uniform-decode batches).
 """
 
 from __future__ import annotations

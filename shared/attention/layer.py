@@ -1,4 +1,5 @@
-"""The attention layer the model calls: KV write, then the selected backend's impl."""
+"""The attention layer the model calls: KV write, then the selected backend's impl (or
+both in one call, where the impl fuses them for this batch)."""
 
 from __future__ import annotations
 
@@ -48,6 +49,11 @@ class Attention(nn.Module):
         value = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         common = getattr(metadata, "common", metadata)
         key_cache, value_cache = self.kv_cache[0], self.kv_cache[1]
-        write_kv(key, value, key_cache, value_cache, common.slot_mapping)
-        self.impl.forward(query, key_cache, value_cache, metadata, output)
+        fuses = getattr(self.impl, "fuses_kv_write", None)
+        if fuses is not None and fuses(metadata):  # one kernel: see backend.py
+            self.impl.forward_with_kv_write(query, key, value, key_cache, value_cache,
+                                            metadata, output)
+        else:
+            write_kv(key, value, key_cache, value_cache, common.slot_mapping)
+            self.impl.forward(query, key_cache, value_cache, metadata, output)
         return output.view(num_tokens, -1)

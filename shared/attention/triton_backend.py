@@ -24,12 +24,16 @@ from dataclasses import dataclass
 import torch
 
 from shared.attention.backend import AttentionBackend
+from shared.attention.decode_attention import decode_attention
 from shared.attention.metadata import CommonAttentionMetadata
 from shared.attention.triton_unified_attention import paged_attention
 from shared.triton_utils import next_power_of_2
 
 # Upper bound on KV splits per (request, kv head): 64 splits x 512 keys covers 32k.
 DEFAULT_MAX_NUM_SPLITS = 64
+# Module switch (benchmarks flip it): uniform-decode batches write their K/V inside the
+# decode attention kernel instead of in a KV-write kernel before it.
+FUSED_DECODE_KV_WRITE = True
 
 
 @dataclass
@@ -102,6 +106,29 @@ class TritonAttentionImpl:
             return self.num_splits
         return num_splits_for(
             num_reqs_padded, self.num_kv_heads, _num_sms(device), self.max_num_splits
+        )
+
+    def fuses_kv_write(self, metadata: TritonAttentionMetadata) -> bool:
+        """Uniform decode (no multi-query launch): forward_with_kv_write does the step's
+        KV write and attention in one kernel (see decode_attention)."""
+        return FUSED_DECODE_KV_WRITE and not metadata.run_multi_query
+
+    def forward_with_kv_write(
+        self,
+        query: torch.Tensor,  # [T, H, D]
+        key: torch.Tensor,  # [T, Hkv, D]
+        value: torch.Tensor,  # [T, Hkv, D]
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        metadata: TritonAttentionMetadata,
+        output: torch.Tensor,
+    ) -> None:
+        assert self.fuses_kv_write(metadata)
+        decode_attention(
+            query, key, value, key_cache, value_cache, output,
+            metadata.query_start_loc, metadata.seq_lens, metadata.block_table,
+            metadata.common.slot_mapping, self.scale,
+            num_splits=self.splits_for(metadata.seq_lens.shape[0], query.device),
         )
 
     def forward(

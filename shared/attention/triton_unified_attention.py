@@ -39,7 +39,7 @@ class _KernelConfig:
     num_stages: int
 
 
-def _single_query_config(group: int, block_d: int, wide: bool) -> _KernelConfig:
+def single_query_config(group: int, block_d: int, wide: bool) -> _KernelConfig:
     # tl.dot needs M >= 16: the GROUP heads of one decode token fill the rows (the rest
     # are masked). Decode is bandwidth-bound, so the idle rows cost nothing that matters.
     block_m = max(16, next_power_of_2(group))
@@ -61,7 +61,7 @@ def _multi_query_config(group: int, block_d: int, wide: bool) -> _KernelConfig:
     return _KernelConfig(block_m, block_m // group, tile_n, num_warps=num_warps, num_stages=2)
 
 
-def _dot_dtype(dtype: torch.dtype):
+def dot_dtype_for(dtype: torch.dtype):
     """The dtype tl.dot sees. bf16 arithmetic is garbage under the interpreter, so there
     bf16 is upcast to fp32 (on a GPU it stays bf16 and runs on tensor cores)."""
     if dtype == torch.bfloat16:
@@ -69,6 +69,11 @@ def _dot_dtype(dtype: torch.dtype):
     return {torch.float16: tl.float16, torch.float32: tl.float32, torch.float64: tl.float64}[
         dtype
     ]
+
+
+def dot_precision_for(dot_dtype) -> str:
+    # fp32/fp64 inputs: exact products (no tf32), so results track the oracle.
+    return "ieee" if dot_dtype in (tl.float32, tl.float64) else "tf32"
 
 
 def paged_attention(
@@ -92,20 +97,15 @@ def paged_attention(
     only on T, R, the head shape and num_splits.
     """
     num_tokens, num_heads, head_dim = query.shape
-    _, kv_block_size, num_kv_heads, cache_head_dim = key_cache.shape
+    _, kv_block_size, num_kv_heads, _ = key_cache.shape
     num_reqs = seq_lens.shape[0]
-    assert output.shape == query.shape and value_cache.shape == key_cache.shape
-    assert cache_head_dim == head_dim and num_heads % num_kv_heads == 0
-    assert query.dtype == key_cache.dtype == value_cache.dtype, (query.dtype, key_cache.dtype)
-    assert query_start_loc.shape == (num_reqs + 1,) and block_table.shape[0] == num_reqs
-    for t in (query_start_loc, seq_lens, block_table):
-        assert t.dtype == torch.int32, t.dtype
-    assert block_table.stride(1) == 1 and num_splits >= 1
+    check_launch(query, key_cache, value_cache, output, query_start_loc, seq_lens, block_table,
+                 num_splits)
     if num_tokens == 0 or num_reqs == 0:
         return
     group = num_heads // num_kv_heads
     block_d = max(16, next_power_of_2(head_dim))
-    dot_dtype = _dot_dtype(query.dtype)
+    dot_dtype = dot_dtype_for(query.dtype)
     launch = _Launch(
         tensors=(output, query, key_cache, value_cache, block_table, seq_lens, query_start_loc),
         runtime=(scale * LOG2E, num_reqs, *output.stride(), *query.stride(),
@@ -113,8 +113,7 @@ def paged_attention(
         consts=dict(
             GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d, KV_BLOCK_SIZE=kv_block_size,
             MIN_TILES_PER_SPLIT=MIN_TILES_PER_SPLIT, DOT_DTYPE=dot_dtype,
-            # fp32/fp64 inputs: exact products (no tf32), so results track the oracle.
-            DOT_PRECISION="ieee" if dot_dtype in (tl.float32, tl.float64) else "tf32",
+            DOT_PRECISION=dot_precision_for(dot_dtype),
         ),
     )
     if run_single_query:
@@ -133,6 +132,49 @@ def paged_attention(
         )
 
 
+def check_launch(query, key_cache, value_cache, output, query_start_loc, seq_lens,
+                 block_table, num_splits: int) -> None:
+    """The layout both attention launchers assume (module docstrings)."""
+    num_tokens, num_heads, head_dim = query.shape
+    num_reqs = seq_lens.shape[0]
+    assert output.shape == query.shape and value_cache.shape == key_cache.shape
+    assert key_cache.shape[3] == head_dim and num_heads % key_cache.shape[2] == 0
+    assert query.dtype == key_cache.dtype == value_cache.dtype, (query.dtype, key_cache.dtype)
+    assert query_start_loc.shape == (num_reqs + 1,) and block_table.shape[0] == num_reqs
+    for t in (query_start_loc, seq_lens, block_table):
+        assert t.dtype == torch.int32, t.dtype
+    assert block_table.stride(1) == 1 and num_splits >= 1
+
+
+def split_partials(query: torch.Tensor, num_reqs: int, num_splits: int) -> tuple:
+    """(part_out, part_max, part_sum) of a split decode launch. Allocated per call: under
+    graph capture they come from the graph's pool, like any activation, so they stay
+    valid for every replay. With one split the kernels never touch them (NUM_SPLITS == 1
+    compiles the partial stores away): placeholders."""
+    if num_splits == 1:
+        return query, query, query
+    num_heads, head_dim = query.shape[1:]
+    acc_dtype = torch.float64 if query.dtype == torch.float64 else torch.float32
+    part_out = query.new_empty((num_reqs, num_heads, num_splits, head_dim), dtype=acc_dtype)
+    part_max = query.new_empty((num_reqs, num_heads, num_splits), dtype=acc_dtype)
+    return part_out, part_max, torch.empty_like(part_max)
+
+
+def reduce_splits(output: torch.Tensor, partials: tuple, seq_lens: torch.Tensor,
+                  query_start_loc: torch.Tensor, tile_n: int, num_splits: int) -> None:
+    """Merge the split partials of a decode launch with tiles of `tile_n` keys into the
+    output rows (nothing to do with one split)."""
+    if num_splits == 1:
+        return
+    head_dim = output.shape[2]
+    reduce_splits_kernel[(seq_lens.shape[0], output.shape[1])](
+        output, *partials, seq_lens, query_start_loc, *output.stride(),
+        HEAD_DIM=head_dim, BLOCK_D=max(16, next_power_of_2(head_dim)), TILE_N=tile_n,
+        NUM_SPLITS=num_splits, BLOCK_S=next_power_of_2(num_splits),
+        MIN_TILES_PER_SPLIT=MIN_TILES_PER_SPLIT, num_warps=4, **pdl_launch(output, "attention"),
+    )
+
+
 @dataclass(frozen=True)
 class _Launch:
     tensors: tuple  # output, query, key_cache, value_cache, block_table, seq_lens, qsl
@@ -144,29 +186,14 @@ def _launch_single_query(
     launch: _Launch, num_reqs: int, num_kv_heads: int, num_heads: int, num_splits: int
 ) -> None:
     output, query = launch.tensors[0], launch.tensors[1]
-    head_dim, block_d = launch.consts["HEAD_DIM"], launch.consts["BLOCK_D"]
-    cfg = _single_query_config(launch.consts["GROUP"], block_d, query.element_size() >= 4)
-    if num_splits > 1:
-        # Allocated per call: under graph capture it comes from the graph's pool, like
-        # any activation, so it stays valid for every replay.
-        acc_dtype = torch.float64 if query.dtype == torch.float64 else torch.float32
-        part_out = query.new_empty((num_reqs, num_heads, num_splits, head_dim), dtype=acc_dtype)
-        part_max = query.new_empty((num_reqs, num_heads, num_splits), dtype=acc_dtype)
-        part_sum = torch.empty_like(part_max)
-    else:  # never touched: NUM_SPLITS == 1 compiles the partial stores away
-        part_out = part_max = part_sum = output
+    block_d = launch.consts["BLOCK_D"]
+    cfg = single_query_config(launch.consts["GROUP"], block_d, query.element_size() >= 4)
+    partials = split_partials(query, num_reqs, num_splits)
     paged_attention_kernel[(num_reqs, num_kv_heads, num_splits)](
-        *launch.tensors, part_out, part_max, part_sum, *launch.runtime, **launch.consts,
+        *launch.tensors, *partials, *launch.runtime, **launch.consts,
         BLOCK_M=cfg.block_m, BLOCK_Q=1, TILE_N=cfg.tile_n,
         SINGLE_QUERY=True, MIN_QUERY_LEN=1, NUM_SPLITS=num_splits,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(query, "attention"),
     )
-    if num_splits > 1:
-        seq_lens, query_start_loc = launch.tensors[5], launch.tensors[6]
-        reduce_splits_kernel[(num_reqs, num_heads)](
-            output, part_out, part_max, part_sum, seq_lens, query_start_loc,
-            *output.stride(),
-            HEAD_DIM=head_dim, BLOCK_D=block_d, TILE_N=cfg.tile_n, NUM_SPLITS=num_splits,
-            BLOCK_S=next_power_of_2(num_splits), MIN_TILES_PER_SPLIT=MIN_TILES_PER_SPLIT,
-            num_warps=4, **pdl_launch(query, "attention"),
-        )
+    seq_lens, query_start_loc = launch.tensors[5], launch.tensors[6]
+    reduce_splits(output, partials, seq_lens, query_start_loc, cfg.tile_n, num_splits)

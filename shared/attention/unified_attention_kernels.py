@@ -52,7 +52,7 @@ def _find_request(query_start_loc_ptr, tile, num_reqs, BLOCK_Q: tl.constexpr):
 
 
 @triton.jit
-def _attend_kv_tiles(
+def attend_kv_tiles(
     q,  # [BLOCK_M, BLOCK_D] query rows of one program
     q_abs,  # [BLOCK_M] absolute position of each row's query token
     acc, l_i, m_i,  # running output [BLOCK_M, BLOCK_D], denominator and max [BLOCK_M]
@@ -205,7 +205,7 @@ def paged_attention_kernel(
         m_i = m_i.to(tl.float64)
         l_i = l_i.to(tl.float64)
         acc = acc.to(tl.float64)
-    acc, l_i, m_i = _attend_kv_tiles(
+    acc, l_i, m_i = attend_kv_tiles(
         q, q_abs, acc, l_i, m_i, key_cache_ptr, value_cache_ptr,
         block_table_ptr + req.to(tl.int64) * stride_bt, kv_head, tile_lo, tile_hi, kv_end,
         qk_scale, stride_kb, stride_ks, stride_kh, stride_kd,
@@ -246,14 +246,15 @@ def reduce_splits_kernel(
     MIN_TILES_PER_SPLIT: tl.constexpr,
     USE_PDL: tl.constexpr = 0,  # programmatic dependent launch: triton_utils.pdl_launch
 ):
-    if USE_PDL:  # launched while the attention kernel that wrote the partials drains
-        pdl_wait_and_release(USE_PDL)
     req = tl.program_id(0)
     head = tl.program_id(1)
     num_heads = tl.num_programs(1)
+    # The step's metadata, written before the forward began: read before the wait.
     q_start = tl.load(query_start_loc_ptr + req)
     q_len = tl.load(query_start_loc_ptr + req + 1) - q_start
     seq_len = tl.load(seq_lens_ptr + req)
+    if USE_PDL:  # launched while the attention kernel that wrote the partials drains
+        pdl_wait_and_release(USE_PDL)
     # Only single-query rows were split; padded rows (q_len 0) are never written.
     if (q_len != 1) | (seq_len <= 0):
         return

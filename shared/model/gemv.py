@@ -209,19 +209,27 @@ def _gemv_kernel(
             sum_sq = tl.zeros([BLOCK_K], dtype=tl.float32)
             x_row = x_ptr + m * stride_x
             start = 0
+            # PEEL > 1: the peeled tiles are reduced on their own and added at the end;
+            # folding them into acc's [BLOCK_N, BLOCK_K] would give the loop's
+            # accumulator another layout (a shared-memory shuffle every iteration).
+            y0_a = tl.zeros([BLOCK_N], dtype=tl.float32)
+            y0_b = tl.zeros([BLOCK_N], dtype=tl.float32)
+            sum_sq0 = 0.0
             if (USE_PDL or PEEL > 1) and m == 0:  # see the dot branch
                 cols0, mask0, wa, wb = _first_weights_then_wait(
                     w_a, w_b, row_mask, K, PEEL * BLOCK_K, PAIRED, USE_PDL)
                 if PEEL == 1:
                     x0, sum_sq = _x_tile_fma(x_row, norm_w_ptr, cols0, mask0, sum_sq, HAS_NORM)
-                else:  # sum x^2 over the PEEL tiles, folded into the accumulator's shape
+                    acc_a += wa.to(tl.float32) * x0[None, :]
+                    if PAIRED:
+                        acc_b += wb.to(tl.float32) * x0[None, :]
+                else:
                     x0, sq = _x_tile_fma(x_row, norm_w_ptr, cols0, mask0,
                                          tl.zeros([PEEL * BLOCK_K], dtype=tl.float32), HAS_NORM)
-                    sum_sq += tl.sum(tl.reshape(sq, [PEEL, BLOCK_K]), axis=0)
-                acc_a += _fold_tiles(wa.to(tl.float32) * x0[None, :], BLOCK_N, BLOCK_K, PEEL)
-                if PAIRED:
-                    acc_b += _fold_tiles(wb.to(tl.float32) * x0[None, :], BLOCK_N, BLOCK_K,
-                                         PEEL)
+                    sum_sq0 = tl.sum(sq, axis=0)
+                    y0_a = tl.sum(wa.to(tl.float32) * x0[None, :], axis=1)
+                    if PAIRED:
+                        y0_b = tl.sum(wb.to(tl.float32) * x0[None, :], axis=1)
                 start = PEEL * BLOCK_K
             for k0 in range(start, K, BLOCK_K):
                 cols = k0 + tl.arange(0, BLOCK_K)
@@ -233,8 +241,14 @@ def _gemv_kernel(
                               * x[None, :])
             y_a = tl.sum(acc_a, axis=1)
             y_b = tl.sum(acc_b, axis=1)
+            if PEEL > 1 and m == 0:
+                y_a += y0_a
+                y_b += y0_b
             if HAS_NORM:
-                rstd = tl.math.rsqrt(tl.sum(sum_sq, axis=0) / K + eps)
+                total_sq = tl.sum(sum_sq, axis=0)
+                if PEEL > 1 and m == 0:
+                    total_sq += sum_sq0
+                rstd = tl.math.rsqrt(total_sq / K + eps)
                 y_a = y_a * rstd
                 y_b = y_b * rstd
             _epilogue(y_a, y_b, m, rows_a, rows_b, row_mask, head, dims,
@@ -258,15 +272,6 @@ def _first_weights_then_wait(w_a, w_b, row_mask, K: tl.constexpr, COLS: tl.const
     if USE_PDL:
         pdl_wait_and_release(USE_PDL)
     return cols, col_mask, wa, wb
-
-
-@triton.jit
-def _fold_tiles(prod, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PEEL: tl.constexpr):
-    """[BLOCK_N, PEEL * BLOCK_K] -> [BLOCK_N, BLOCK_K], the FMA accumulator's shape: sums
-    the PEEL tiles column by column (a no-op at PEEL 1)."""
-    if PEEL == 1:
-        return prod
-    return tl.sum(tl.reshape(prod, [BLOCK_N, PEEL, BLOCK_K]), axis=1)
 
 
 @triton.jit
