@@ -6,8 +6,9 @@
 1. llama-3-8b shape, dummy bf16 weights, batch 1, context 1024, FULL graphs:
    step time against floor = non-embedding weight bytes / measured read bandwidth, for
    V1, V2, V2 with async scheduling, V1 with the fused GEMVs off ("v1-cublas"), V1
-   without programmatic dependent launch ("v1-nopdl") and V1 ignoring the launch table's
-   PEEL ("v1-nopeel"); see make_engine for the modes a row may combine.
+   without programmatic dependent launch ("v1-nopdl") and V1 with a KV-write kernel
+   before the decode attention ("v1-nofusedkv"); see make_engine for the modes a row may
+   combine.
 2. qwen3-0.6b shape, batch 1 / 64 / 256 / 512: GPU and wall step time per runner,
    graphs vs eager, and the launch-bound gap at batch 1.
 """
@@ -31,7 +32,7 @@ from shared.bench.measure import measure_read_bandwidth, run_decode
 from shared.engine import LLMEngine
 from shared.model import gemv
 
-LLAMA_RUNNERS = ("v1-cublas", "v1-nopdl", "v1-nopeel", "v1", "v2", "v2-async")
+LLAMA_RUNNERS = ("v1-cublas", "v1-nopdl", "v1-nofusedkv", "v1", "v2", "v2-async")
 
 
 def make_engine(model: str, runner: str, eager: bool, max_num_seqs: int, sizes: list[int],
@@ -39,36 +40,23 @@ def make_engine(model: str, runner: str, eager: bool, max_num_seqs: int, sizes: 
     """runner: "v1" or "v2", then optionally "-" and modes joined by "+", each for the
     engine's graph capture and every step after it: "async" (the engine's async
     scheduling), "cublas" (batch-1 fused GEMV path off: cuBLAS + separate kernels), "nopdl"
-    (no programmatic dependent launch), "early" / "earlygemv" / "earlyattn" (PDL kernels
-    of every group / the GEMVs / the attention kernels let the next one launch before
-    their own wait, triton_utils.PDL_EARLY_RELEASE), "attnminN" and "attntileN" for an
-    integer N (the decode attention's MIN_TILES_PER_SPLIT and SINGLE_QUERY_TILE_N),
-    "nofusedkv" (a KV-write kernel before the decode attention, not inside it), "nopeel" (the GEMVs load one K tile before the PDL
-    wait, whatever the launch table says), "peelB" for an integer B (as many K tiles as fit
-    B bytes of weights per thread, gemv.PEEL_BYTES_PER_THREAD). E.g. "v1-cublas+nopdl"."""
+    (no programmatic dependent launch), "nofusedkv" (a KV-write kernel before the decode
+    attention, not inside it), "attnminN" / "attntileN" for an integer N (the decode
+    attention's MIN_TILES_PER_SPLIT / SINGLE_QUERY_TILE_N). E.g. "v1-cublas+nopdl"."""
     from policy import EngineArgs
 
     runner, _, mode = runner.partition("-")
     modes = set(mode.split("+")) - {""}
-    numbered = {m: int(m.lstrip("abcdefghijklmnopqrstuvwxyz")) for m in modes
-                if re.fullmatch(r"(peel|attnmin|attntile)\d+", m)}
-    early = {"early": {"gemv", "attention"}, "earlygemv": {"gemv"}, "earlyattn": {"attention"}}
-    unknown = (modes - {"async", "cublas", "nopdl", "nopeel", "nofusedkv"} - set(early)
-               - set(numbered))
+    numbered = {m: int(g[1]) for m in modes if (g := re.fullmatch(r"attn(?:min|tile)(\d+)", m))}
+    unknown = modes - {"async", "cublas", "nopdl", "nofusedkv"} - set(numbered)
     if unknown:
         raise ValueError(f"bench_decode --rows: unknown mode(s) {sorted(unknown)} in {runner}-{mode}")
     gemv.ENABLED = "cublas" not in modes
     triton_utils.PDL_ENABLED = "nopdl" not in modes
-    triton_utils.PDL_EARLY_RELEASE = frozenset().union(*(early[m] for m in modes & set(early)))
-    gemv.PEEL_ENABLED = "nopeel" not in modes
     triton_backend.FUSED_DECODE_KV_WRITE = "nofusedkv" not in modes
     for m, n in numbered.items():
-        if m.startswith("peel"):
-            gemv.PEEL_BYTES_PER_THREAD = n
-        elif m.startswith("attnmin"):
-            attention.MIN_TILES_PER_SPLIT = n
-        else:
-            attention.SINGLE_QUERY_TILE_N = n
+        setattr(attention, "MIN_TILES_PER_SPLIT" if m.startswith("attnmin")
+                else "SINGLE_QUERY_TILE_N", n)
     args = EngineArgs(
         async_scheduling="async" in modes,
         model=model, load_format="dummy", dtype="bfloat16", device="cuda", seed=0,
@@ -85,10 +73,7 @@ _ATTENTION_DEFAULTS = (attention.MIN_TILES_PER_SPLIT, attention.SINGLE_QUERY_TIL
 
 def reset_switches() -> None:
     """The module switches make_engine's modes flip, back to their defaults."""
-    gemv.ENABLED = triton_utils.PDL_ENABLED = gemv.PEEL_ENABLED = True
-    triton_utils.PDL_EARLY_RELEASE = frozenset()
-    gemv.PEEL_BYTES_PER_THREAD = 0
-    triton_backend.FUSED_DECODE_KV_WRITE = True
+    gemv.ENABLED = triton_utils.PDL_ENABLED = triton_backend.FUSED_DECODE_KV_WRITE = True
     attention.MIN_TILES_PER_SPLIT, attention.SINGLE_QUERY_TILE_N = _ATTENTION_DEFAULTS
 
 

@@ -7,8 +7,6 @@ call from a CUDA graph of back-to-back calls, as the runners replay decode, over
 distinct weight copies (like distinct layers) that nothing is served from L2.
 
   python3 scripts/bench_gemv.py --out gemv.json [--configs-out gemv_configs.json] [--token-rows]
-      [--from-table]   (no sweep: the committed config per shape, then more K tiles before
-                        the PDL wait; a few minutes instead of ~8)
 
 On a machine without a GPU, `--check` runs the kernel under the Triton interpreter on a
 small shape against F.linear (correctness only; tests/shared/test_gemv.py is thorough).
@@ -49,8 +47,6 @@ SHAPES = [
 # (BLOCK_N, BLOCK_K, warps, stages, use_dot): the FMA kernel, then the tensor-core one
 SWEEP = [*itertools.product((8, 16, 32), (256, 512, 1024), (4, 8), (2, 4), (0,)),
          *itertools.product((16, 32, 64), (128, 256, 512), (4, 8), (3, 5), (1,))]
-# K tiles a program loads before its PDL wait, tried on each shape's winner
-PEELS = (2, 4, 8)
 REPS = 20
 COPY_BYTES = 1 << 30  # distinct weight copies per shape: ~1 GiB, >> the 50 MB L2
 
@@ -114,44 +110,29 @@ class Case:
         return [lambda w=w: gemv.gemv(self.x, w, **self.kw, config=config) for w in self.weights]
 
 
-def try_config(case: Case, name: str, cfg: tuple) -> dict | None:
-    """Check one config against the float32 chain, then time it; None if it cannot run."""
-    try:
-        out = gemv.gemv(case.x, case.weights[0], **case.kw, config=cfg).float()
-    except Exception as e:  # e.g. a dot tile that exceeds shared memory: not a candidate
-        print(f"  {name} config {cfg} does not run: {type(e).__name__}", flush=True)
-        return None
-    err = (out - case.ref).abs().max().item()
-    if err > 0.05 * max(1.0, case.ref.abs().max().item()):
-        raise AssertionError(f"{name} config {cfg}: differs from float32 by {err}")
-    return {"config": list(cfg), "time_ms": timed(case.fused(cfg)), "max_abs_err": err}
-
-
-def bench_shape(name, rows, k, epilogue, has_norm, head_dim, rope_heads, m, bw,
-                candidates=SWEEP, peels=PEELS) -> dict:
-    """Time the candidate configs and then the winner with each PEEL in `peels`."""
+def bench_shape(name, rows, k, epilogue, has_norm, head_dim, rope_heads, m, bw, sweep=True,
+                config=None) -> dict:
     case = Case(rows, k, epilogue, has_norm, head_dim, rope_heads, m, torch.bfloat16)
     cublas_ms = timed([lambda w=w: F.linear(case.x, w) for w in case.weights])
     unfused_ms = timed([lambda w=w: case.unfused(w) for w in case.weights])
     best, by_kernel, failed = None, {}, 0
-    for cfg in candidates:
-        result = try_config(case, name, cfg)
-        if result is None:
+    for cfg in SWEEP if sweep else [config]:
+        try:
+            out = gemv.gemv(case.x, case.weights[0], **case.kw, config=cfg).float()
+        except Exception as e:  # e.g. a dot tile that exceeds shared memory: not a candidate
             failed += 1
+            print(f"  {name} config {cfg} does not run: {type(e).__name__}", flush=True)
             continue
+        err = (out - case.ref).abs().max().item()
+        if err > 0.05 * max(1.0, case.ref.abs().max().item()):
+            raise AssertionError(f"{name} config {cfg}: differs from float32 by {err}")
+        ms = timed(case.fused(cfg))
+        result = {"config": list(cfg), "time_ms": ms, "max_abs_err": err}
         kind = "dot" if cfg[4] else "fma"
-        if kind not in by_kernel or result["time_ms"] < by_kernel[kind]["time_ms"]:
+        if kind not in by_kernel or ms < by_kernel[kind]["time_ms"]:
             by_kernel[kind] = result
-        if best is None or result["time_ms"] < best["time_ms"]:
+        if best is None or ms < best["time_ms"]:
             best = result
-    # The winner with more K tiles loaded before the PDL wait (PEEL; 1 = the sweep's).
-    peeled = {}
-    for peel in peels:
-        result = try_config(case, name, (*best["config"][:5], peel))
-        if result is not None:
-            peeled[peel] = result["time_ms"]
-            if result["time_ms"] < best["time_ms"]:
-                best = result
     # The winner once more without programmatic dependent launch.
     triton_utils.PDL_ENABLED = False
     best["time_ms_without_pdl"] = timed(case.fused(best["config"]))
@@ -159,8 +140,7 @@ def bench_shape(name, rows, k, epilogue, has_norm, head_dim, rope_heads, m, bw,
     gbps = lambda ms: case.weight_bytes / ms / 1e6  # noqa: E731
     row = {"shape": name, "rows": rows, "K": k, "m": m, "epilogue": epilogue, "norm": has_norm,
            "weight_bytes": case.weight_bytes, "cublas_ms": cublas_ms, "unfused_ms": unfused_ms,
-           "fused": best, "best_by_kernel": by_kernel, "configs_that_failed_to_run": failed,
-           "peel_ms": peeled, "cublas_of_read_bw": gbps(cublas_ms) / bw,
+           "fused": best, "best_by_kernel": by_kernel, "configs_that_failed_to_run": failed, "cublas_of_read_bw": gbps(cublas_ms) / bw,
            "fused_of_read_bw": gbps(best["time_ms"]) / bw,
            "key": gemv.config_key(epilogue, has_norm, rows, k, m, torch.bfloat16)}
     print(f"{name:>14} m={m} {rows:>6}x{k:<6} cuBLAS {cublas_ms * 1e3:6.1f} us "
@@ -168,8 +148,7 @@ def bench_shape(name, rows, k, epilogue, has_norm, head_dim, rope_heads, m, bw,
           f"{epilogue}{'+norm' if has_norm else ''} {best['time_ms'] * 1e3:6.1f} us "
           f"({row['fused_of_read_bw']:.0%}) config {best['config']} "
           f"(without PDL {best['time_ms_without_pdl'] * 1e3:.1f} us)"
-          + "".join(f" | best {k} {v['time_ms'] * 1e3:.1f} us" for k, v in by_kernel.items())
-          + "".join(f" | peel {p} {ms * 1e3:.1f} us" for p, ms in peeled.items()),
+          + "".join(f" | best {k} {v['time_ms'] * 1e3:.1f} us" for k, v in by_kernel.items()),
           flush=True)
     return row
 
@@ -188,13 +167,9 @@ def main() -> int:
     p.add_argument("--configs-out", type=Path, default=None,
                    help="write the best config per shape (gemv_configs.json's format)")
     p.add_argument("--check", action="store_true", help="interpreter correctness check only")
-    p.add_argument("--from-table", action="store_true",
-                   help="no sweep: each shape's config from gemv_configs.json, then the peels")
     p.add_argument("--token-rows", action="store_true",
                    help="also time 2-16 token rows on the llama shapes (where MAX_TOKENS comes from)")
     args = p.parse_args()
-    if args.from_table and args.token_rows:
-        p.error("--token-rows takes the sweep's best dot config: run it without --from-table")
     if args.check or not torch.cuda.is_available():
         check_on_cpu()
         return 0
@@ -202,13 +177,8 @@ def main() -> int:
     gpu = torch.cuda.get_device_name()
     print(f"GPU {gpu}: read bandwidth {bw:.0f} GB/s", flush=True)
     rows = []
-    table = gemv._config_table(gpu)
     for shape in SHAPES:
-        if args.from_table:  # the committed config of this shape only, then the peels
-            key = gemv.config_key(shape[3], shape[4], shape[1], shape[2], 1, torch.bfloat16)
-            rows.append(bench_shape(*shape, 1, bw, candidates=[tuple(table[key])[:5]]))
-        else:
-            rows.append(bench_shape(*shape, 1, bw))
+        rows.append(bench_shape(*shape, 1, bw))
         torch.cuda.empty_cache()  # the last shape's weight copies
     if args.configs_out:  # now, not at the end: a run cut short keeps its tuned table
         # Merged into the file: other devices' tables stay.
@@ -221,7 +191,7 @@ def main() -> int:
         best_dot = {r["shape"]: r["best_by_kernel"]["dot"]["config"] for r in rows}
         for shape in SHAPES[:4]:
             for m in (2, 4, 8, 16):
-                rows.append(bench_shape(*shape, m, bw, candidates=[best_dot[shape[0]]], peels=()))
+                rows.append(bench_shape(*shape, m, bw, sweep=False, config=best_dot[shape[0]]))
     report = {"command": "python3 scripts/bench_gemv.py " + " ".join(sys.argv[1:]),
               "gpu": gpu, "read_bandwidth_GBps": bw, "rows": rows}
     if args.out:

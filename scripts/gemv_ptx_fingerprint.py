@@ -8,8 +8,7 @@ that were tuned and measured on the H200 unchanged, so their numbers still hold:
   python3 scripts/gemv_ptx_fingerprint.py > after.json && diff before.json after.json
 
 Variants: the launch configs of the llama-3-8b table plus odd ones (more tokens, bias, an
-unaligned K), each in bf16 and float32, without programmatic dependent launch and with it in
-both release orders.
+unaligned K), each in bf16 and float32, with and without programmatic dependent launch.
 Compiled as a launch specialises them (16-byte aligned pointers, strides divisible by 16);
 debug info and line markers are dropped, so moving code between lines changes nothing.
 """
@@ -46,8 +45,6 @@ VARIANTS = [
     ("dot_8_tokens_rope", 1, "rope", 16, 256, 3, 4, 4096, 8, False),
     ("fma_bias_odd_k", 0, "none", 16, 256, 2, 4, 1000, 2, True),
 ]
-# USE_PDL values (triton_utils.pdl_launch): off, release after the wait, release first
-_PDL_MODES = ((0, "plain"), (1, "pdl"), (2, "pdl-early"))
 _SIGNATURE = inspect.signature(gemv._gemv_kernel.fn)
 POINTERS = ("x_ptr", "w_ptr", "bias_ptr", "norm_w_ptr", "residual_ptr", "out_ptr")
 
@@ -80,8 +77,8 @@ def fingerprint(name, use_dot, epilogue, block_n, block_k, stages, warps, k, m, 
 
 def main() -> int:
     prints = {
-        f"{v[0]}:{dtype}:{name}": fingerprint(*v, pdl, dtype)
-        for v in VARIANTS for dtype in ("bf16", "fp32") for pdl, name in _PDL_MODES
+        f"{v[0]}:{dtype}:{'pdl' if pdl else 'plain'}": fingerprint(*v, pdl, dtype)
+        for v in VARIANTS for dtype in ("bf16", "fp32") for pdl in (False, True)
     }
     print(json.dumps(prints, indent=1))
     return 0

@@ -6,7 +6,7 @@
 #
 # Stages run in the order of this file, whatever the order of the arguments: gemv comes
 # first because it tunes the GEMV launch table (shared/model/gemv_configs.json) that the
-# later stages' models read. GEMV_ARGS=--from-table skips the sweep (see bench_gemv.py).
+# later stages' models read. GEMV_ARGS, DECODE_ARGS and GPU_TESTS pass arguments on.
 #
 # Run through the device tool from the repository root, carrying `.whl`:
 #   python3 -m pip download ... -d .whl pydantic==2.14.4 pydantic-core==2.50.5 \

@@ -35,19 +35,6 @@ __all__ = [
 # predecessor's output may be launched while it drains. One switch for every such kernel
 # (benchmarks flip it to measure the difference).
 PDL_ENABLED = True
-# The kernel groups ("gemv", "attention": the KV write, the attention kernel, the split
-# reduce) whose kernels let the next one be scheduled first thing, before their own wait;
-# the others release right after it. Both are correct: griddepcontrol.wait waits for the
-# kernel before to *complete*, not merely to release, and that kernel completes only
-# after its own wait returned, so completion still runs down the chain in order. Early
-# release makes the dependants of a chain of small kernels resident (their weights
-# loading) while the chain runs; measured on the H200 (docs/results), doing it everywhere
-# made the llama-3-8b step slower, so the default is none.
-PDL_EARLY_RELEASE: frozenset[str] = frozenset()
-# The USE_PDL constexpr the kernels receive: 0 off, else one of these (constexpr: a
-# jit function may read a global only if it is one).
-PDL_RELEASE_AFTER_WAIT = tl.constexpr(1)
-PDL_RELEASE_FIRST = tl.constexpr(2)
 
 
 def next_power_of_2(n: int) -> int:
@@ -59,28 +46,20 @@ def use_pdl(x: torch.Tensor) -> bool:
     return PDL_ENABLED and x.is_cuda and not INTERPRET and _capability(x.device) >= (9, 0)
 
 
-def pdl_launch(x: torch.Tensor, group: str) -> dict:
-    """Launch options for a kernel of `group` (see PDL_EARLY_RELEASE) with a USE_PDL
-    constexpr that calls pdl_wait_and_release before it touches memory another kernel
-    writes: {} where PDL is off or unsupported."""
-    if not use_pdl(x):
-        return {}
-    mode = PDL_RELEASE_FIRST if group in PDL_EARLY_RELEASE else PDL_RELEASE_AFTER_WAIT
-    return {"USE_PDL": mode.value, "launch_pdl": True}
+def pdl_launch(x: torch.Tensor) -> dict:
+    """Launch options for a kernel with a USE_PDL constexpr that calls pdl_wait_and_release
+    before it touches memory another kernel writes: {} where PDL is off or unsupported."""
+    return {"USE_PDL": True, "launch_pdl": True} if use_pdl(x) else {}
 
 
 @triton.jit
-def pdl_wait_and_release(USE_PDL: tl.constexpr):
-    """Inside a kernel launched with launch_pdl=True (USE_PDL from pdl_launch): wait until
-    the kernels before it have finished and their writes are visible (griddepcontrol.wait),
-    and let the next PDL-launched kernel be scheduled while this one runs, before or after
-    the wait (see PDL_EARLY_RELEASE). Nothing that reads another kernel's output, or writes
-    memory that another kernel reads, may come before it."""
-    if USE_PDL == PDL_RELEASE_FIRST:
-        tl.extra.cuda.gdc_launch_dependents()
+def pdl_wait_and_release():
+    """Inside a kernel launched with launch_pdl=True: wait until the kernels before it have
+    finished and their writes are visible (griddepcontrol.wait), then let the next
+    PDL-launched kernel be scheduled while this one runs. Nothing that reads another
+    kernel's output, or writes memory that another kernel reads, may come before it."""
     tl.extra.cuda.gdc_wait()
-    if USE_PDL == PDL_RELEASE_AFTER_WAIT:
-        tl.extra.cuda.gdc_launch_dependents()
+    tl.extra.cuda.gdc_launch_dependents()
 
 
 @functools.cache

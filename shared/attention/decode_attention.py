@@ -84,7 +84,7 @@ def decode_attention_kernel(
     TILE_N: tl.constexpr, KV_BLOCK_SIZE: tl.constexpr,
     NUM_SPLITS: tl.constexpr, MIN_TILES_PER_SPLIT: tl.constexpr,
     DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    USE_PDL: tl.constexpr = 0,  # programmatic dependent launch: triton_utils.pdl_launch
+    USE_PDL: tl.constexpr = False,  # launched with programmatic dependent launch (sm_90+)
 ):
     req = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -107,7 +107,7 @@ def decode_attention_kernel(
     v0 = _kv_tile(value_cache_ptr, block_row, kv_head, tile_lo, first_end, stride_vb,
                   stride_vs, stride_vch, stride_vcd, BLOCK_D, HEAD_DIM, TILE_N, KV_BLOCK_SIZE)
     if USE_PDL:  # launched while the qkv GEMV that writes q, k and v drains
-        pdl_wait_and_release(USE_PDL)
+        pdl_wait_and_release()
     if not active:
         return
 
@@ -240,6 +240,6 @@ def decode_attention(
         TILE_N=cfg.tile_n, KV_BLOCK_SIZE=key_cache.shape[1], NUM_SPLITS=num_splits,
         MIN_TILES_PER_SPLIT=unified.MIN_TILES_PER_SPLIT, DOT_DTYPE=dot_dtype,
         DOT_PRECISION=unified.dot_precision_for(dot_dtype),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(query, "attention"),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(query),
     )
     unified.reduce_splits(output, partials, seq_lens, query_start_loc, cfg.tile_n, num_splits)

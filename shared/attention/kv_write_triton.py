@@ -31,10 +31,10 @@ def _write_kv_kernel(
     HEAD_DIM: tl.constexpr,
     KV_BLOCK_SIZE: tl.constexpr,
     BLOCK: tl.constexpr,
-    USE_PDL: tl.constexpr = 0,  # programmatic dependent launch: triton_utils.pdl_launch
+    USE_PDL: tl.constexpr = False,  # launched with programmatic dependent launch (sm_90+)
 ):
     if USE_PDL:  # launched while the qkv projection that wrote k and v drains
-        pdl_wait_and_release(USE_PDL)
+        pdl_wait_and_release()
     token = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
     slot = tl.load(slot_mapping_ptr + token)
@@ -96,5 +96,5 @@ def write_kv_triton(
         KV_BLOCK_SIZE=key_cache.shape[1],
         BLOCK=block,
         num_warps=4,
-        **pdl_launch(key, "attention"),
+        **pdl_launch(key),
     )

@@ -21,10 +21,12 @@ from shared.triton_utils import INTERPRET, next_power_of_2, pdl_launch, tl
 
 LOG2E = 1.4426950408889634
 
-# A split covers at least this many KV tiles, so short contexts are not cut into
-# splits whose partial write costs as much as their reads. (Module values: benchmarks
-# change them, as they are read at each launch.)
-MIN_TILES_PER_SPLIT = 2
+# A split covers at least this many KV tiles. One: at batch 1 the decode is bound by
+# latency, and one tile per split means the uniform-decode kernel has its whole range
+# loaded before its PDL wait (llama-3-8b batch 1 on the H200: 0.06 ms a step faster than
+# two, docs/results). A partial costs 1/16 of a 64-key tile's reads per head. (Module
+# values: benchmarks change them; they are read at each launch.)
+MIN_TILES_PER_SPLIT = 1
 # Keys per loop iteration of the decode (single-query) kernel for 16-bit inputs; None:
 # 64 up to head_dim 128, else 32.
 SINGLE_QUERY_TILE_N: int | None = None
@@ -171,7 +173,7 @@ def reduce_splits(output: torch.Tensor, partials: tuple, seq_lens: torch.Tensor,
         output, *partials, seq_lens, query_start_loc, *output.stride(),
         HEAD_DIM=head_dim, BLOCK_D=max(16, next_power_of_2(head_dim)), TILE_N=tile_n,
         NUM_SPLITS=num_splits, BLOCK_S=next_power_of_2(num_splits),
-        MIN_TILES_PER_SPLIT=MIN_TILES_PER_SPLIT, num_warps=4, **pdl_launch(output, "attention"),
+        MIN_TILES_PER_SPLIT=MIN_TILES_PER_SPLIT, num_warps=4, **pdl_launch(output),
     )
 
 
@@ -193,7 +195,7 @@ def _launch_single_query(
         *launch.tensors, *partials, *launch.runtime, **launch.consts,
         BLOCK_M=cfg.block_m, BLOCK_Q=1, TILE_N=cfg.tile_n,
         SINGLE_QUERY=True, MIN_QUERY_LEN=1, NUM_SPLITS=num_splits,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(query, "attention"),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(query),
     )
     seq_lens, query_start_loc = launch.tensors[5], launch.tensors[6]
     reduce_splits(output, partials, seq_lens, query_start_loc, cfg.tile_n, num_splits)

@@ -139,10 +139,10 @@ def paged_attention_kernel(
     MIN_TILES_PER_SPLIT: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
-    USE_PDL: tl.constexpr = 0,  # programmatic dependent launch: triton_utils.pdl_launch
+    USE_PDL: tl.constexpr = False,  # launched with programmatic dependent launch (sm_90+)
 ):
     if USE_PDL:  # launched while the KV-cache write before it drains
-        pdl_wait_and_release(USE_PDL)
+        pdl_wait_and_release()
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -244,7 +244,7 @@ def reduce_splits_kernel(
     NUM_SPLITS: tl.constexpr,
     BLOCK_S: tl.constexpr,  # NUM_SPLITS rounded up to a power of 2
     MIN_TILES_PER_SPLIT: tl.constexpr,
-    USE_PDL: tl.constexpr = 0,  # programmatic dependent launch: triton_utils.pdl_launch
+    USE_PDL: tl.constexpr = False,  # launched with programmatic dependent launch (sm_90+)
 ):
     req = tl.program_id(0)
     head = tl.program_id(1)
@@ -254,7 +254,7 @@ def reduce_splits_kernel(
     q_len = tl.load(query_start_loc_ptr + req + 1) - q_start
     seq_len = tl.load(seq_lens_ptr + req)
     if USE_PDL:  # launched while the attention kernel that wrote the partials drains
-        pdl_wait_and_release(USE_PDL)
+        pdl_wait_and_release()
     # Only single-query rows were split; padded rows (q_len 0) are never written.
     if (q_len != 1) | (seq_len <= 0):
         return

@@ -45,12 +45,6 @@ from shared.triton_utils import pdl_launch, pdl_wait_and_release, tl, triton
 MAX_TOKENS = 1
 # Module switch (benchmarks and tests flip it): False = cuBLAS + separate kernels.
 ENABLED = True
-# Module switch for the launch table's PEEL (K tiles loaded before the PDL wait): False
-# loads one, as the sweep did (benchmarks flip it to measure the difference).
-PEEL_ENABLED = True
-# Benchmarks only: > 0 replaces the table's PEEL by the most K tiles (a power of two) whose
-# weights fit this many bytes per thread (they are held in registers across the wait).
-PEEL_BYTES_PER_THREAD = 0
 
 _EPILOGUES = {"none": 0, "residual": 1, "silu": 2, "rope": 3}
 _CONFIG_FILE = Path(__file__).with_name("gemv_configs.json")
@@ -152,8 +146,7 @@ def _gemv_kernel(
     EPILOGUE: tl.constexpr,  # 0 none, 1 residual, 2 silu, 3 rope
     HEAD_DIM: tl.constexpr,  # ROPE only
     NUM_ROPE_HEADS: tl.constexpr,  # ROPE: q + k heads (rotated); the v heads after are not
-    USE_PDL: tl.constexpr = 0,  # programmatic dependent launch: triton_utils.pdl_launch
-    PEEL: tl.constexpr = 1,  # K tiles loaded before the PDL wait (> 1: peeled without PDL too)
+    USE_PDL: tl.constexpr = False,  # launched with programmatic dependent launch (sm_90+)
 ):
     rows_a, rows_b, row_mask, head, dims = _program_rows(
         tl.program_id(0), N_OUT, BLOCK_N, EPILOGUE, HEAD_DIM)
@@ -167,19 +160,16 @@ def _gemv_kernel(
         acc_b = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
         sum_sq = tl.zeros([BLOCK_M], dtype=tl.float32)
         start = 0
-        if USE_PDL or PEEL > 1:
-            # The loop's first PEEL steps as one, with the weight load moved ahead of the
-            # PDL wait: more weight bytes in flight while the kernel before drains.
-            # (own names: a variable the loop below reassigns would become loop-carried,
-            # and must then keep its shape)
-            cols0, mask0, wa, wb = _first_weights_then_wait(
-                w_a, w_b, row_mask, K, PEEL * BLOCK_K, PAIRED, USE_PDL)
-            xt0, sum_sq = _x_tile_dot(x_ptr, w_ptr, norm_w_ptr, offs_m, stride_x, cols0, mask0,
-                                      sum_sq, M, HAS_NORM)
-            acc_a = _dot(wa, xt0, acc_a, IEEE)
+        if USE_PDL:
+            # The loop's first step, with the weight load moved ahead of the PDL wait.
+            cols, col_mask, wa, wb = _first_weights_then_wait(w_a, w_b, row_mask, K, BLOCK_K,
+                                                              PAIRED)
+            xt, sum_sq = _x_tile_dot(x_ptr, w_ptr, norm_w_ptr, offs_m, stride_x, cols,
+                                     col_mask, sum_sq, M, HAS_NORM)
+            acc_a = _dot(wa, xt, acc_a, IEEE)
             if PAIRED:
-                acc_b = _dot(wb, xt0, acc_b, IEEE)
-            start = PEEL * BLOCK_K
+                acc_b = _dot(wb, xt, acc_b, IEEE)
+            start = BLOCK_K
         for k0 in range(start, K, BLOCK_K):
             cols = k0 + tl.arange(0, BLOCK_K)
             col_mask = cols < K
@@ -209,28 +199,14 @@ def _gemv_kernel(
             sum_sq = tl.zeros([BLOCK_K], dtype=tl.float32)
             x_row = x_ptr + m * stride_x
             start = 0
-            # PEEL > 1: the peeled tiles are reduced on their own and added at the end;
-            # folding them into acc's [BLOCK_N, BLOCK_K] would give the loop's
-            # accumulator another layout (a shared-memory shuffle every iteration).
-            y0_a = tl.zeros([BLOCK_N], dtype=tl.float32)
-            y0_b = tl.zeros([BLOCK_N], dtype=tl.float32)
-            sum_sq0 = 0.0
-            if (USE_PDL or PEEL > 1) and m == 0:  # see the dot branch
-                cols0, mask0, wa, wb = _first_weights_then_wait(
-                    w_a, w_b, row_mask, K, PEEL * BLOCK_K, PAIRED, USE_PDL)
-                if PEEL == 1:
-                    x0, sum_sq = _x_tile_fma(x_row, norm_w_ptr, cols0, mask0, sum_sq, HAS_NORM)
-                    acc_a += wa.to(tl.float32) * x0[None, :]
-                    if PAIRED:
-                        acc_b += wb.to(tl.float32) * x0[None, :]
-                else:
-                    x0, sq = _x_tile_fma(x_row, norm_w_ptr, cols0, mask0,
-                                         tl.zeros([PEEL * BLOCK_K], dtype=tl.float32), HAS_NORM)
-                    sum_sq0 = tl.sum(sq, axis=0)
-                    y0_a = tl.sum(wa.to(tl.float32) * x0[None, :], axis=1)
-                    if PAIRED:
-                        y0_b = tl.sum(wb.to(tl.float32) * x0[None, :], axis=1)
-                start = PEEL * BLOCK_K
+            if USE_PDL and m == 0:  # see the dot branch
+                cols, col_mask, wa, wb = _first_weights_then_wait(w_a, w_b, row_mask, K,
+                                                                  BLOCK_K, PAIRED)
+                x, sum_sq = _x_tile_fma(x_row, norm_w_ptr, cols, col_mask, sum_sq, HAS_NORM)
+                acc_a += wa.to(tl.float32) * x[None, :]
+                if PAIRED:
+                    acc_b += wb.to(tl.float32) * x[None, :]
+                start = BLOCK_K
             for k0 in range(start, K, BLOCK_K):
                 cols = k0 + tl.arange(0, BLOCK_K)
                 col_mask = cols < K
@@ -241,14 +217,8 @@ def _gemv_kernel(
                               * x[None, :])
             y_a = tl.sum(acc_a, axis=1)
             y_b = tl.sum(acc_b, axis=1)
-            if PEEL > 1 and m == 0:
-                y_a += y0_a
-                y_b += y0_b
             if HAS_NORM:
-                total_sq = tl.sum(sum_sq, axis=0)
-                if PEEL > 1 and m == 0:
-                    total_sq += sum_sq0
-                rstd = tl.math.rsqrt(total_sq / K + eps)
+                rstd = tl.math.rsqrt(tl.sum(sum_sq, axis=0) / K + eps)
                 y_a = y_a * rstd
                 y_b = y_b * rstd
             _epilogue(y_a, y_b, m, rows_a, rows_b, row_mask, head, dims,
@@ -258,19 +228,18 @@ def _gemv_kernel(
 
 
 @triton.jit
-def _first_weights_then_wait(w_a, w_b, row_mask, K: tl.constexpr, COLS: tl.constexpr,
-                             PAIRED: tl.constexpr, USE_PDL: tl.constexpr):
-    """The first COLS columns of the weights (they never depend on the kernel before),
-    then, under PDL, the wait for that kernel's output. Returns the columns, their mask
-    and the weight tiles (wb is wa when not PAIRED)."""
-    cols = tl.arange(0, COLS)
+def _first_weights_then_wait(w_a, w_b, row_mask, K: tl.constexpr, BLOCK_K: tl.constexpr,
+                             PAIRED: tl.constexpr):
+    """Under PDL: the first K tile of the weights (they never depend on the kernel before),
+    then the wait for that kernel's output. Returns the tile's columns, their mask and the
+    weight tiles (wb is wa when not PAIRED)."""
+    cols = tl.arange(0, BLOCK_K)
     col_mask = cols < K
     wa = _weight_tile(w_a, cols, row_mask, col_mask)
     wb = wa
     if PAIRED:
         wb = _weight_tile(w_b, cols, row_mask, col_mask)
-    if USE_PDL:
-        pdl_wait_and_release(USE_PDL)
+    pdl_wait_and_release()
     return cols, col_mask, wa, wb
 
 
@@ -325,25 +294,14 @@ def config_key(epilogue: str, has_norm: bool, rows: int, k: int, m: int,
     return f"{epilogue}{'+norm' if has_norm else ''}:{rows}x{k}:m{m}:{str(dtype)[6:]}"
 
 
-def _config_for(x: torch.Tensor, key: str, override) -> tuple[int, int, int, int, int, int]:
+def _config_for(x: torch.Tensor, key: str, override) -> tuple[int, int, int, int, int]:
     if override is not None:
         config = tuple(override)
     elif not x.is_cuda:
         config = _DEFAULT_CONFIG
     else:
         config = tuple(_config_table(torch.cuda.get_device_name(x.device)).get(key, _DEFAULT_CONFIG))
-    return config + (0, 1)[len(config) - 4:]  # 4-tuples: the FMA kernel; PEEL 1
-
-
-def _peel_within(budget: int, block_n: int, block_k: int, num_warps: int, k: int,
-                 bytes_per_element: int) -> int:
-    """The most K tiles, a power of two no more than K holds, whose weights take at most
-    `budget` bytes per thread (bytes_per_element counts both halves of a SILU weight)."""
-    tile = block_n * block_k * bytes_per_element / (32 * num_warps)
-    peel = 1
-    while 2 * peel * block_k <= k and 2 * peel * tile <= budget:
-        peel *= 2
-    return peel
+    return config + (0,) * (5 - len(config))  # 4-tuples: the FMA kernel
 
 
 def gemv(
@@ -359,7 +317,7 @@ def gemv(
     cos_sin_cache: torch.Tensor | None = None,  # [max_position, head_dim] (ROPE)
     head_dim: int = 0,  # ROPE
     num_rope_heads: int = 0,  # ROPE: leading heads to rotate (q and k)
-    config: tuple | None = None,  # (BLOCK_N, BLOCK_K, warps, stages[, use_dot[, peel]])
+    config: tuple | None = None,  # (BLOCK_N, BLOCK_K, warps, stages[, use_dot])
 ) -> torch.Tensor:
     """out = epilogue(norm?(x) @ weight.T + bias): [M, rows], or [M, rows / 2] for SILU.
     One launch."""
@@ -375,12 +333,7 @@ def gemv(
     if num_tokens == 0:
         return out
     key = config_key(epilogue, norm_weight is not None, rows, k, num_tokens, x.dtype)
-    block_n, block_k, num_warps, num_stages, use_dot, peel = _config_for(x, key, config)
-    if not PEEL_ENABLED:
-        peel = 1
-    elif PEEL_BYTES_PER_THREAD:
-        peel = _peel_within(PEEL_BYTES_PER_THREAD, block_n, block_k, num_warps, k,
-                            x.element_size() * (2 if epilogue == "silu" else 1))
+    block_n, block_k, num_warps, num_stages, use_dot = _config_for(x, key, config)
     if use_dot:
         block_n = max(block_n, 16)  # tl.dot's smallest tile
     if epilogue == "rope":
@@ -398,7 +351,7 @@ def gemv(
         assert residual.shape == out.shape and residual.stride(-1) == 1, residual.shape
     extra = {"num_warps": num_warps, "num_stages": num_stages} if x.is_cuda else {}
     # launched while the previous kernel drains where PDL is on; see pdl_wait_and_release
-    extra.update(pdl_launch(x, "gemv"))
+    extra.update(pdl_launch(x))
     _gemv_kernel[grid](
         x, weight, x if bias is None else bias, x if norm_weight is None else norm_weight,
         x if residual is None else residual, out,
@@ -411,6 +364,6 @@ def gemv(
         BLOCK_M=max(16, triton.next_power_of_2(num_tokens)), IEEE=x.dtype == torch.float32,
         HAS_BIAS=bias is not None, HAS_NORM=norm_weight is not None,
         EPILOGUE=_EPILOGUES[epilogue], HEAD_DIM=head_dim, NUM_ROPE_HEADS=num_rope_heads,
-        PEEL=peel, **extra,
+        **extra,
     )
     return out
