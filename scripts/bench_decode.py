@@ -26,7 +26,7 @@ import time
 import torch
 
 from shared import triton_utils
-from shared.attention import triton_backend
+from shared.attention import decode_attention, triton_backend
 from shared.attention import triton_unified_attention as attention
 from shared.bench.measure import measure_read_bandwidth, run_decode
 from shared.engine import LLMEngine
@@ -40,20 +40,25 @@ def make_engine(model: str, runner: str, eager: bool, max_num_seqs: int, sizes: 
     """runner: "v1" or "v2", then optionally "-" and modes joined by "+", each for the
     engine's graph capture and every step after it: "async" (the engine's async
     scheduling), "cublas" (batch-1 fused GEMV path off: cuBLAS + separate kernels), "nopdl"
-    (no programmatic dependent launch), "nofusedkv" (a KV-write kernel before the decode
-    attention, not inside it), "attnminN" / "attntileN" for an integer N (the decode
+    (no programmatic dependent launch), "nofusedkv" / "fusedkv" (the uniform-decode KV
+    write in its own kernel / inside the decode attention, whatever the batch), "preload" / "nopreload" (the decode attention holds its
+    first tile across the PDL wait always / never, not by its rule), "attnminN" / "attntileN" for an integer N (the decode
     attention's MIN_TILES_PER_SPLIT / SINGLE_QUERY_TILE_N). E.g. "v1-cublas+nopdl"."""
     from policy import EngineArgs
 
     runner, _, mode = runner.partition("-")
     modes = set(mode.split("+")) - {""}
     numbered = {m: int(g[1]) for m in modes if (g := re.fullmatch(r"attn(?:min|tile)(\d+)", m))}
-    unknown = modes - {"async", "cublas", "nopdl", "nofusedkv"} - set(numbered)
+    unknown = (modes - {"async", "cublas", "nopdl", "nofusedkv", "fusedkv", "preload",
+                        "nopreload"} - set(numbered))
     if unknown:
         raise ValueError(f"bench_decode --rows: unknown mode(s) {sorted(unknown)} in {runner}-{mode}")
     gemv.ENABLED = "cublas" not in modes
     triton_utils.PDL_ENABLED = "nopdl" not in modes
-    triton_backend.FUSED_DECODE_KV_WRITE = "nofusedkv" not in modes
+    triton_backend.FUSED_DECODE_KV_WRITE = ("never" if "nofusedkv" in modes
+                                            else "always" if "fusedkv" in modes else "auto")
+    decode_attention.PRELOAD_FIRST_TILE = (True if "preload" in modes
+                                           else False if "nopreload" in modes else None)
     for m, n in numbered.items():
         setattr(attention, "MIN_TILES_PER_SPLIT" if m.startswith("attnmin")
                 else "SINGLE_QUERY_TILE_N", n)
@@ -73,8 +78,10 @@ _ATTENTION_DEFAULTS = (attention.MIN_TILES_PER_SPLIT, attention.SINGLE_QUERY_TIL
 
 def reset_switches() -> None:
     """The module switches make_engine's modes flip, back to their defaults."""
-    gemv.ENABLED = triton_utils.PDL_ENABLED = triton_backend.FUSED_DECODE_KV_WRITE = True
+    gemv.ENABLED = triton_utils.PDL_ENABLED = True
+    triton_backend.FUSED_DECODE_KV_WRITE = "auto"
     attention.MIN_TILES_PER_SPLIT, attention.SINGLE_QUERY_TILE_N = _ATTENTION_DEFAULTS
+    decode_attention.PRELOAD_FIRST_TILE = None
 
 
 def free(engine: LLMEngine) -> None:
@@ -138,10 +145,10 @@ def llama_batch1(bw: float, steps: int, rows: list[str], repeats: int) -> dict:
     return result
 
 
-def qwen_ladder(steps: int, batches: list[int]) -> dict:
+def qwen_ladder(steps: int, batches: list[int], runners: list[str], eager_too: bool) -> dict:
     result = {"model": "qwen3-0.6b", "context": 128, "rows": []}
-    for runner in ("v1", "v2"):
-        for eager in (False, True):
+    for runner in runners:
+        for eager in (False, True) if eager_too else (False,):
             engine = make_engine("qwen3-0.6b", runner, eager, max(batches), batches, 1024, 16384)
             for batch in batches:
                 samples, steady_ms, _ = run_decode(engine, batch, 128, warmup=5, steps=steps,
@@ -155,6 +162,7 @@ def qwen_ladder(steps: int, batches: list[int]) -> dict:
                 })
                 print(json.dumps(result["rows"][-1]), flush=True)
             free(engine)
+            reset_switches()
     return result
 
 
@@ -167,6 +175,9 @@ def main() -> int:
     p.add_argument("--rows", default=",".join(LLAMA_RUNNERS),
                    help="llama-3-8b rows, comma-separated (default: all of them)")
     p.add_argument("--repeats", type=int, default=1, help="engines per llama row")
+    p.add_argument("--qwen-runners", default="v1,v2",
+                   help="qwen3-0.6b rows, comma-separated, with modes as --rows")
+    p.add_argument("--qwen-graphs-only", action="store_true", help="no eager qwen3 rows")
     args = p.parse_args()
     device = torch.device("cuda")
     bw = measure_read_bandwidth(device)
@@ -191,7 +202,9 @@ def main() -> int:
         with open(args.out, "w") as f:
             json.dump(report, f, indent=1)
     if not args.skip_qwen:
-        report["qwen3_0_6b_ladder"] = qwen_ladder(args.steps, [1, 64, 256, 512])
+        report["qwen3_0_6b_ladder"] = qwen_ladder(args.steps, [1, 64, 256, 512],
+                                                  args.qwen_runners.split(","),
+                                                  not args.qwen_graphs_only)
     with open(args.out, "w") as f:
         json.dump(report, f, indent=1)
     return 0

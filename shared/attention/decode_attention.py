@@ -84,6 +84,7 @@ def decode_attention_kernel(
     TILE_N: tl.constexpr, KV_BLOCK_SIZE: tl.constexpr,
     NUM_SPLITS: tl.constexpr, MIN_TILES_PER_SPLIT: tl.constexpr,
     DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    PRELOAD: tl.constexpr,  # the first tile in registers before the PDL wait (see preload)
     USE_PDL: tl.constexpr = False,  # launched with programmatic dependent launch (sm_90+)
 ):
     req = tl.program_id(0)
@@ -101,11 +102,12 @@ def decode_attention_kernel(
     block_row = block_table_ptr + req.to(tl.int64) * stride_bt
     # Padded rows (q_len 0) and splits past a short context have nothing to do.
     active = (q_len == 1) & (tile_lo < tile_hi)
-    first_end = tl.where(active, cache_end, 0)  # an idle program loads nothing
-    k0 = _kv_tile(key_cache_ptr, block_row, kv_head, tile_lo, first_end, stride_kb, stride_ks,
-                  stride_kch, stride_kcd, BLOCK_D, HEAD_DIM, TILE_N, KV_BLOCK_SIZE)
-    v0 = _kv_tile(value_cache_ptr, block_row, kv_head, tile_lo, first_end, stride_vb,
-                  stride_vs, stride_vch, stride_vcd, BLOCK_D, HEAD_DIM, TILE_N, KV_BLOCK_SIZE)
+    if PRELOAD:
+        first_end = tl.where(active, cache_end, 0)  # an idle program loads nothing
+        k0 = _kv_tile(key_cache_ptr, block_row, kv_head, tile_lo, first_end, stride_kb,
+                      stride_ks, stride_kch, stride_kcd, BLOCK_D, HEAD_DIM, TILE_N, KV_BLOCK_SIZE)
+        v0 = _kv_tile(value_cache_ptr, block_row, kv_head, tile_lo, first_end, stride_vb,
+                      stride_vs, stride_vch, stride_vcd, BLOCK_D, HEAD_DIM, TILE_N, KV_BLOCK_SIZE)
     if USE_PDL:  # launched while the qkv GEMV that writes q, k and v drains
         pdl_wait_and_release()
     if not active:
@@ -121,6 +123,13 @@ def decode_attention_kernel(
                 + offs_d[None, :] * stride_qd,
                 mask=row_valid[:, None] & d_valid[None, :], other=0.0).to(DOT_DTYPE)
 
+    # This split owns the new position: its K/V and slot, loaded now so that their
+    # latency hides behind the cached tiles' (every program is the owner at batch >= 16).
+    owner = tile_hi == num_tiles
+    k_new, v_new, slot = _load_new_kv(key_ptr, value_ptr, slot_mapping_ptr, token, kv_head,
+                                      owner, stride_kt, stride_kh, stride_kd,
+                                      stride_vt, stride_vh, stride_vd, BLOCK_D, HEAD_DIM)
+
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
@@ -130,26 +139,26 @@ def decode_attention_kernel(
     # whose range holds only the new position (cache_end on a tile boundary) skips both.
     cache_tile_hi = tl.minimum(tile_hi, tl.cdiv(cache_end, TILE_N))
     if tile_lo < cache_tile_hi:
-        k_pos = tile_lo * TILE_N + tl.arange(0, TILE_N)
-        acc, l_i, m_i = _fold_tile(q, k0, v0, k_pos, cache_end, acc, l_i, m_i, qk_scale,
-                                   DOT_DTYPE, DOT_PRECISION)
+        loop_lo = tile_lo
+        if PRELOAD:
+            k_pos = tile_lo * TILE_N + tl.arange(0, TILE_N)
+            acc, l_i, m_i = _fold_tile(q, k0, v0, k_pos, cache_end, acc, l_i, m_i, qk_scale,
+                                       DOT_DTYPE, DOT_PRECISION)
+            loop_lo = tile_lo + 1
         # every query row sees every cached key: the causal limit is the new position
         q_abs = tl.zeros([BLOCK_M], tl.int32) + cache_end
         acc, l_i, m_i = attend_kv_tiles(
             q, q_abs, acc, l_i, m_i, key_cache_ptr, value_cache_ptr, block_row, kv_head,
-            tile_lo + 1, cache_tile_hi, cache_end, qk_scale,
+            loop_lo, cache_tile_hi, cache_end, qk_scale,
             stride_kb, stride_ks, stride_kch, stride_kcd,
             stride_vb, stride_vs, stride_vch, stride_vcd,
             BLOCK_D, HEAD_DIM, TILE_N, KV_BLOCK_SIZE, DOT_DTYPE, DOT_PRECISION,
         )
-    if tile_hi == num_tiles:  # this split owns the new position: write it, attend to it
+    if owner:  # write the new K/V, attend to them
         acc, l_i, m_i = _write_and_attend_new_kv(
-            q, acc, l_i, m_i, key_ptr, value_ptr, key_cache_ptr, value_cache_ptr,
-            slot_mapping_ptr, token, kv_head, qk_scale,
-            stride_kt, stride_kh, stride_kd, stride_vt, stride_vh, stride_vd,
-            stride_kb, stride_ks, stride_kch, stride_kcd,
-            stride_vb, stride_vs, stride_vch, stride_vcd,
-            BLOCK_D, HEAD_DIM, KV_BLOCK_SIZE)
+            q, acc, l_i, m_i, k_new, v_new, slot, key_cache_ptr, value_cache_ptr, kv_head,
+            qk_scale, stride_kb, stride_ks, stride_kch, stride_kcd,
+            stride_vb, stride_vs, stride_vch, stride_vcd, BLOCK_D, HEAD_DIM, KV_BLOCK_SIZE)
 
     out_mask = row_valid[:, None] & d_valid[None, :]
     if NUM_SPLITS == 1:
@@ -165,10 +174,23 @@ def decode_attention_kernel(
 
 
 @triton.jit
+def _load_new_kv(key_ptr, value_ptr, slot_mapping_ptr, token, kv_head, owner,
+                 stride_kt, stride_kh, stride_kd, stride_vt, stride_vh, stride_vd,
+                 BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """This token's new K and V for one KV head, and its slot (-1 where not `owner`)."""
+    offs_d = tl.arange(0, BLOCK_D)
+    mask = (offs_d < HEAD_DIM) & ((offs_d * 0 + owner.to(tl.int32)) > 0)  # tensors only
+    k_new = tl.load(key_ptr + token * stride_kt + kv_head * stride_kh + offs_d * stride_kd,
+                    mask=mask, other=0.0)
+    v_new = tl.load(value_ptr + token * stride_vt + kv_head * stride_vh + offs_d * stride_vd,
+                    mask=mask, other=0.0)
+    slot = tl.where(owner, tl.load(slot_mapping_ptr + token), -1)
+    return k_new, v_new, slot
+
+
+@triton.jit
 def _write_and_attend_new_kv(
-    q, acc, l_i, m_i, key_ptr, value_ptr, key_cache_ptr, value_cache_ptr, slot_mapping_ptr,
-    token, kv_head, qk_scale,
-    stride_kt, stride_kh, stride_kd, stride_vt, stride_vh, stride_vd,
+    q, acc, l_i, m_i, k_new, v_new, slot, key_cache_ptr, value_cache_ptr, kv_head, qk_scale,
     stride_kb, stride_ks, stride_kch, stride_kcd,
     stride_vb, stride_vs, stride_vch, stride_vcd,
     BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr, KV_BLOCK_SIZE: tl.constexpr,
@@ -177,11 +199,6 @@ def _write_and_attend_new_kv(
     write_kv does), and the online-softmax step for its key, from registers."""
     offs_d = tl.arange(0, BLOCK_D)
     d_valid = offs_d < HEAD_DIM
-    k_new = tl.load(key_ptr + token * stride_kt + kv_head * stride_kh + offs_d * stride_kd,
-                    mask=d_valid, other=0.0)
-    v_new = tl.load(value_ptr + token * stride_vt + kv_head * stride_vh + offs_d * stride_vd,
-                    mask=d_valid, other=0.0)
-    slot = tl.load(slot_mapping_ptr + token)
     blk = slot // KV_BLOCK_SIZE
     in_blk = slot % KV_BLOCK_SIZE
     write = d_valid & ((offs_d * 0 + slot) >= 0)  # a tensor: the interpreter wants one
@@ -199,6 +216,18 @@ def _write_and_attend_new_kv(
     l_i = l_i * alpha + p
     acc = acc * alpha[:, None] + p[:, None] * v_c[None, :]
     return acc, l_i, m_new
+
+
+# None: preload_first_tile's rule; True / False force it (benchmarks).
+PRELOAD_FIRST_TILE: bool | None = None
+
+
+def preload_first_tile(num_splits: int) -> bool:
+    """Hold a split's first KV tile in registers across the PDL wait? Where the grid was
+    widened by KV splits (small batches: bound by latency) that takes the loads off the
+    critical path. With one split per row the batch fills the GPU on its own, and the
+    held tile costs registers the software pipeline of the loop would rather have."""
+    return num_splits > 1 if PRELOAD_FIRST_TILE is None else PRELOAD_FIRST_TILE
 
 
 def decode_attention(
@@ -240,6 +269,7 @@ def decode_attention(
         TILE_N=cfg.tile_n, KV_BLOCK_SIZE=key_cache.shape[1], NUM_SPLITS=num_splits,
         MIN_TILES_PER_SPLIT=unified.MIN_TILES_PER_SPLIT, DOT_DTYPE=dot_dtype,
         DOT_PRECISION=unified.dot_precision_for(dot_dtype),
+        PRELOAD=preload_first_tile(num_splits),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(query),
     )
     unified.reduce_splits(output, partials, seq_lens, query_start_loc, cfg.tile_n, num_splits)

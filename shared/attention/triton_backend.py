@@ -31,9 +31,12 @@ from shared.triton_utils import next_power_of_2
 
 # Upper bound on KV splits per (request, kv head): 64 splits x 512 keys covers 32k.
 DEFAULT_MAX_NUM_SPLITS = 64
-# Module switch (benchmarks flip it): uniform-decode batches write their K/V inside the
-# decode attention kernel instead of in a KV-write kernel before it.
-FUSED_DECODE_KV_WRITE = True
+# When a uniform-decode batch writes its K/V inside the decode attention kernel instead
+# of in a KV-write kernel before it: "auto" when its (row, KV head) pairs number fewer
+# than the GPU's SMs, where the step is bound by latency and the fusion pays (llama-3-8b
+# batch 1 on the H200: 0.06 ms a step); with more rows the two-kernel path measured
+# faster (qwen3-0.6b batch 64-512, docs/results). "always" / "never": benchmarks, tests.
+FUSED_DECODE_KV_WRITE = "auto"
 
 
 @dataclass
@@ -109,9 +112,16 @@ class TritonAttentionImpl:
         )
 
     def fuses_kv_write(self, metadata: TritonAttentionMetadata) -> bool:
-        """Uniform decode (no multi-query launch): forward_with_kv_write does the step's
-        KV write and attention in one kernel (see decode_attention)."""
-        return FUSED_DECODE_KV_WRITE and not metadata.run_multi_query
+        """Does forward_with_kv_write do this step's KV write and attention in one kernel
+        (see decode_attention)? Uniform decode only (no multi-query launch), and then as
+        FUSED_DECODE_KV_WRITE says."""
+        if metadata.run_multi_query or FUSED_DECODE_KV_WRITE == "never":
+            return False
+        if FUSED_DECODE_KV_WRITE == "always":
+            return True
+        assert FUSED_DECODE_KV_WRITE == "auto", FUSED_DECODE_KV_WRITE
+        num_reqs_padded = metadata.seq_lens.shape[0]  # a graph's fixed size: no sync
+        return num_reqs_padded * self.num_kv_heads < _num_sms(metadata.seq_lens.device)
 
     def forward_with_kv_write(
         self,

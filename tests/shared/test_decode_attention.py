@@ -91,6 +91,7 @@ def test_layer_fuses_the_kv_write_only_for_uniform_decode(query_lens, seq_lens, 
     want, want_k, want_v = _oracle(batch, key, value, num_heads, head_dim, num_kv_heads)
 
     calls = []
+    monkeypatch.setattr(triton_backend, "FUSED_DECODE_KV_WRITE", "always")
     monkeypatch.setattr("shared.attention.layer.write_kv",
                         lambda *a: (calls.append("write_kv"), write_kv_torch(*a)))
     layer = Attention(num_heads, head_dim, num_kv_heads, head_dim**-0.5, "layer.0")
@@ -106,8 +107,37 @@ def test_layer_fuses_the_kv_write_only_for_uniform_decode(query_lens, seq_lens, 
     assert torch.equal(layer.kv_cache[0], want_k) and torch.equal(layer.kv_cache[1], want_v)
 
 
-def test_switch_off_takes_the_two_kernel_path(monkeypatch):
-    monkeypatch.setattr(triton_backend, "FUSED_DECODE_KV_WRITE", False)
-    batch = make_batch([1], [5], 4, 2, 32, 8)
+@pytest.mark.parametrize("setting,num_sms,padded_rows,num_kv_heads,fused", [
+    ("auto", 132, 8, 8, True),  # 64 (row, head) pairs < 132 SMs: latency-bound
+    ("auto", 132, 17, 8, False),  # 136 pairs fill the GPU: two kernels
+    ("auto", 132, 16, 8, True),
+    ("never", 132, 3, 8, False),
+    ("always", 132, 64, 8, True),
+])
+def test_when_the_kv_write_is_fused(setting, num_sms, padded_rows, num_kv_heads, fused,
+                                    monkeypatch):
+    monkeypatch.setattr(triton_backend, "FUSED_DECODE_KV_WRITE", setting)
+    monkeypatch.setattr(triton_backend, "_num_sms", lambda device: num_sms)
+    batch = make_batch([1] * 3, [5, 9, 2], 4 * num_kv_heads, num_kv_heads, 32, 8,
+                       pad_reqs=padded_rows - 3)
     metadata = TritonBackend().make_builder(batch.query.device).build(batch.common)
-    assert not TritonBackend().make_impl(4, 32, 2, 1.0).fuses_kv_write(metadata)
+    impl = TritonBackend().make_impl(4 * num_kv_heads, 32, num_kv_heads, 1.0)
+    assert impl.fuses_kv_write(metadata) is fused
+    mixed = make_batch([1, 3], [5, 9], 4 * num_kv_heads, num_kv_heads, 32, 8)
+    mixed_metadata = TritonBackend().make_builder(batch.query.device).build(mixed.common)
+    assert not impl.fuses_kv_write(mixed_metadata)  # a prefill row: never fused
+
+
+@pytest.mark.parametrize("preload", [True, False])
+@pytest.mark.parametrize("num_splits", [1, 4])
+def test_fused_decode_with_and_without_the_preloaded_tile(preload, num_splits, monkeypatch):
+    # Both kernel variants, whatever preload_first_tile's rule would pick.
+    from shared.attention import decode_attention as module
+
+    monkeypatch.setattr(module, "PRELOAD_FIRST_TILE", preload)
+    batch = make_batch([1, 1, 1], [150, 2, 33], 4, 2, 32, 16, pad_reqs=1, pad_tokens=1)
+    key, value = _new_kv(batch, 2, 32)
+    want, want_k, want_v = _oracle(batch, key, value, 4, 32, 2)
+    got, got_k, got_v = _fused(batch, key, value, 4, 32, num_splits)
+    torch.testing.assert_close(got[:3].double(), want[:3].double(), atol=1e-4, rtol=1e-4)
+    assert torch.equal(got_k, want_k) and torch.equal(got_v, want_v)
