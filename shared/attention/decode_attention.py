@@ -15,6 +15,11 @@ of dependent memory round trips. This kernel takes two links out of the critical
 
 Program = (request, kv head, split), as the unified kernel's single-query mapping, with
 the same split partition, so `reduce_splits_kernel` merges the partials unchanged.
+
+When it runs: the TRITON impl uses it while the batch's (row, KV head) pairs number fewer
+than the SMs (triton_backend.FUSED_DECODE_KV_WRITE); with more rows the KV-write kernel +
+unified kernel measured faster, for a reason not yet found. The first-tile preload runs
+only with KV splits (preload_first_tile).
 """
 
 from __future__ import annotations
