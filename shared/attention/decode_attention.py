@@ -27,7 +27,7 @@ from __future__ import annotations
 import torch
 
 from shared.attention import triton_unified_attention as unified
-from shared.attention.unified_attention_kernels import attend_kv_tiles
+from shared.attention.unified_attention_kernels import attend_kv_tiles, split_tile_range
 from shared.triton_utils import next_power_of_2, pdl_launch, pdl_wait_and_release, tl, triton
 
 
@@ -100,9 +100,7 @@ def decode_attention_kernel(
     q_len = tl.load(query_start_loc_ptr + req + 1) - q_start
     seq_len = tl.load(seq_lens_ptr + req)
     num_tiles = tl.cdiv(seq_len, TILE_N)  # the split partition counts the new position
-    tiles_per_split = tl.maximum(tl.cdiv(num_tiles, NUM_SPLITS), MIN_TILES_PER_SPLIT)
-    tile_lo = split * tiles_per_split
-    tile_hi = tl.minimum(tile_lo + tiles_per_split, num_tiles)
+    tile_lo, tile_hi = split_tile_range(num_tiles, split, NUM_SPLITS, MIN_TILES_PER_SPLIT)
     cache_end = seq_len - 1  # cached positions; the newest comes from key_ptr/value_ptr
     block_row = block_table_ptr + req.to(tl.int64) * stride_bt
     # Padded rows (q_len 0) and splits past a short context have nothing to do.

@@ -52,6 +52,24 @@ def _find_request(query_start_loc_ptr, tile, num_reqs, BLOCK_Q: tl.constexpr):
 
 
 @triton.jit
+def tiles_per_split(num_tiles, NUM_SPLITS: tl.constexpr, MIN_TILES_PER_SPLIT: tl.constexpr):
+    """The split partition of a row's KV tiles, shared by every kernel that writes split
+    partials and by reduce_splits_kernel, which counts the splits that wrote one:
+    split s covers tiles [s * tiles_per_split, (s + 1) * tiles_per_split)."""
+    return tl.maximum(tl.cdiv(num_tiles, NUM_SPLITS), MIN_TILES_PER_SPLIT)
+
+
+@triton.jit
+def split_tile_range(num_tiles, split, NUM_SPLITS: tl.constexpr,
+                     MIN_TILES_PER_SPLIT: tl.constexpr):
+    """Split `split`'s tiles [tile_lo, tile_hi); empty past the end of a short row."""
+    tile_lo = split * tiles_per_split(num_tiles, NUM_SPLITS, MIN_TILES_PER_SPLIT)
+    tile_hi = tl.minimum(tile_lo + tiles_per_split(num_tiles, NUM_SPLITS, MIN_TILES_PER_SPLIT),
+                         num_tiles)
+    return tile_lo, tile_hi
+
+
+@triton.jit
 def attend_kv_tiles(
     q,  # [BLOCK_M, BLOCK_D] query rows of one program
     q_abs,  # [BLOCK_M] absolute position of each row's query token
@@ -164,10 +182,7 @@ def paged_attention_kernel(
     kv_end = tl.minimum(seq_len, context_len + q_tile_start + BLOCK_Q)
     num_tiles = tl.cdiv(kv_end, TILE_N)
     if NUM_SPLITS > 1:
-        # Same formula in reduce_splits_kernel: it decides which partials exist.
-        tiles_per_split = tl.maximum(tl.cdiv(num_tiles, NUM_SPLITS), MIN_TILES_PER_SPLIT)
-        tile_lo = split * tiles_per_split
-        tile_hi = tl.minimum(tile_lo + tiles_per_split, num_tiles)
+        tile_lo, tile_hi = split_tile_range(num_tiles, split, NUM_SPLITS, MIN_TILES_PER_SPLIT)
     else:
         tile_lo = 0
         tile_hi = num_tiles
@@ -259,8 +274,7 @@ def reduce_splits_kernel(
     if (q_len != 1) | (seq_len <= 0):
         return
     num_tiles = tl.cdiv(seq_len, TILE_N)
-    tiles_per_split = tl.maximum(tl.cdiv(num_tiles, NUM_SPLITS), MIN_TILES_PER_SPLIT)
-    num_used = tl.cdiv(num_tiles, tiles_per_split)  # splits that wrote a partial
+    num_used = tl.cdiv(num_tiles, tiles_per_split(num_tiles, NUM_SPLITS, MIN_TILES_PER_SPLIT))
 
     offs_s = tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, BLOCK_D)
