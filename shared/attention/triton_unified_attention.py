@@ -119,7 +119,7 @@ def paged_attention(
         ),
     )
     if run_single_query:
-        _launch_single_query(launch, num_reqs, num_kv_heads, num_heads, num_splits)
+        _launch_single_query(launch, num_reqs, num_kv_heads, num_splits)
     if run_multi_query:
         cfg = _multi_query_config(group, block_d, query.element_size() >= 4)
         grid = (num_tokens // cfg.block_q + num_reqs, num_kv_heads, 1)
@@ -184,9 +184,8 @@ class _Launch:
     consts: dict  # constexprs shared by both mappings
 
 
-def _launch_single_query(
-    launch: _Launch, num_reqs: int, num_kv_heads: int, num_heads: int, num_splits: int
-) -> None:
+def _launch_single_query(launch: _Launch, num_reqs: int, num_kv_heads: int,
+                         num_splits: int) -> None:
     output, query = launch.tensors[0], launch.tensors[1]
     block_d = launch.consts["BLOCK_D"]
     cfg = single_query_config(launch.consts["GROUP"], block_d, query.element_size() >= 4)
