@@ -38,12 +38,17 @@ LLAMA_RUNNERS = ("v1-cublas", "v1-nopdl", "v1-nofusedkv", "v1", "v2", "v2-async"
 def make_engine(model: str, runner: str, eager: bool, max_num_seqs: int, sizes: list[int],
                 max_model_len: int, blocks: int) -> LLMEngine:
     """runner: "v1" or "v2", then optionally "-" and modes joined by "+", each for the
-    engine's graph capture and every step after it: "async" (the engine's async
-    scheduling), "cublas" (batch-1 fused GEMV path off: cuBLAS + separate kernels), "nopdl"
-    (no programmatic dependent launch), "nofusedkv" / "fusedkv" (the uniform-decode KV
-    write in its own kernel / inside the decode attention, whatever the batch), "preload" / "nopreload" (the decode attention holds its
-    first tile across the PDL wait always / never, not by its rule), "attnminN" / "attntileN" for an integer N (the decode
-    attention's MIN_TILES_PER_SPLIT / SINGLE_QUERY_TILE_N). E.g. "v1-cublas+nopdl"."""
+    engine's graph capture and every step after it:
+    - "async": the engine's async scheduling;
+    - "cublas": batch-1 fused GEMV path off (cuBLAS + separate kernels);
+    - "nopdl": no programmatic dependent launch;
+    - "nofusedkv" / "fusedkv": the uniform-decode KV write in its own kernel / inside the
+      decode attention, whatever the batch (default: triton_backend's rule);
+    - "preload" / "nopreload": the decode attention holds its first tile across the PDL
+      wait always / never (default: preload_first_tile's rule);
+    - "attnminN" / "attntileN", N an integer: the decode attention's MIN_TILES_PER_SPLIT /
+      SINGLE_QUERY_TILE_N.
+    E.g. "v1-cublas+nopdl"."""
     from policy import EngineArgs
 
     runner, _, mode = runner.partition("-")
