@@ -28,10 +28,12 @@ import torch
 from shared import triton_utils
 from shared.attention import decode_attention, triton_backend
 from shared.attention import triton_unified_attention as attention
+from shared.attention.layer import Attention
 from shared.bench.measure import measure_read_bandwidth, run_decode
 from shared.engine import LLMEngine
 from shared.model import gemv
 
+_ATTENTION_FORWARD = Attention.forward
 LLAMA_RUNNERS = ("v1-cublas", "v1-nopdl", "v1-nofusedkv", "v1", "v2", "v2-async")
 
 
@@ -47,7 +49,10 @@ def make_engine(model: str, runner: str, eager: bool, max_num_seqs: int, sizes: 
     - "preload" / "nopreload": the decode attention holds its first tile across the PDL
       wait always / never (default: preload_first_tile's rule);
     - "attnminN" / "attntileN", N an integer: the decode attention's MIN_TILES_PER_SPLIT /
-      SINGLE_QUERY_TILE_N.
+      SINGLE_QUERY_TILE_N;
+    - "nol2pf": the qkv GEMV does not pull o_proj's weight into L2 (gemv.PREFETCH_O_PROJ);
+    - "noattn" (a diagnostic, its tokens are wrong): every attention layer returns its q
+      unchanged, launching nothing, so the row prices the attention's share of the step.
     E.g. "v1-cublas+nopdl"."""
     from policy import EngineArgs
 
@@ -55,10 +60,13 @@ def make_engine(model: str, runner: str, eager: bool, max_num_seqs: int, sizes: 
     modes = set(mode.split("+")) - {""}
     numbered = {m: int(g[1]) for m in modes if (g := re.fullmatch(r"attn(?:min|tile)(\d+)", m))}
     unknown = (modes - {"async", "cublas", "nopdl", "nofusedkv", "fusedkv", "preload",
-                        "nopreload"} - set(numbered))
+                        "nopreload", "nol2pf", "noattn"} - set(numbered))
     if unknown:
         raise ValueError(f"bench_decode --rows: unknown mode(s) {sorted(unknown)} in {runner}-{mode}")
     gemv.ENABLED = "cublas" not in modes
+    gemv.PREFETCH_O_PROJ = "nol2pf" not in modes
+    if "noattn" in modes:
+        Attention.forward = lambda self, q, k, v: q
     triton_utils.PDL_ENABLED = "nopdl" not in modes
     triton_backend.FUSED_DECODE_KV_WRITE = ("never" if "nofusedkv" in modes
                                             else "always" if "fusedkv" in modes else "auto")
@@ -83,7 +91,8 @@ _ATTENTION_DEFAULTS = (attention.MIN_TILES_PER_SPLIT, attention.SINGLE_QUERY_TIL
 
 def reset_switches() -> None:
     """The module switches make_engine's modes flip, back to their defaults."""
-    gemv.ENABLED = triton_utils.PDL_ENABLED = True
+    gemv.ENABLED = gemv.PREFETCH_O_PROJ = triton_utils.PDL_ENABLED = True
+    Attention.forward = _ATTENTION_FORWARD
     triton_backend.FUSED_DECODE_KV_WRITE = "auto"
     attention.MIN_TILES_PER_SPLIT, attention.SINGLE_QUERY_TILE_N = _ATTENTION_DEFAULTS
     decode_attention.PRELOAD_FIRST_TILE = None
@@ -144,6 +153,8 @@ def llama_batch1(bw: float, steps: int, rows: list[str], repeats: int) -> dict:
         result["tokens_identical"] = ref == tokens["v2"] and ref.keys() == late.keys() and all(
             ref[r][: len(late[r])] == late[r] and len(ref[r]) - len(late[r]) <= 1 for r in ref
         )
+    if {"v1", "v1-nol2pf"} <= tokens.keys():  # a prefetch cannot change a result
+        result["tokens_same_without_l2pf"] = tokens["v1-nol2pf"] == tokens["v1"]
     if {"v1", "v1-cublas"} <= tokens.keys():
         # bf16: a different summation order may flip a near-tie, so this one is reported only.
         result["tokens_same_as_cublas"] = tokens["v1-cublas"] == tokens["v1"]

@@ -37,7 +37,7 @@ from pathlib import Path
 import torch
 
 from shared.model import fused_ops
-from shared.triton_utils import pdl_launch, pdl_wait_and_release, tl, triton
+from shared.triton_utils import INTERPRET, _capability, pdl_launch, pdl_wait_and_release, tl, triton
 
 # Token counts up to this take the GEMV path. Measured (docs/results, h200_gemv.log): with
 # the M=1 configs a layer's fused GEMVs are only 1-3% faster than cuBLAS + separate kernels
@@ -48,8 +48,15 @@ ENABLED = True
 
 _EPILOGUES = {"none": 0, "residual": 1, "silu": 2, "rope": 3}
 _CONFIG_FILE = Path(__file__).with_name("gemv_configs.json")
+# Module switch (benchmarks flip it): whether the llama qkv GEMV pulls o_proj's weight into
+# L2 as its programs finish, so that it streams in while the attention runs.
+PREFETCH_O_PROJ = True
 # (BLOCK_N, BLOCK_K, num_warps, num_stages, use_dot) when the table has no entry
 _DEFAULT_CONFIG = (16, 512, 4, 3, 0)
+
+
+def _bulk_prefetch_supported(x: torch.Tensor) -> bool:
+    return x.is_cuda and not INTERPRET and _capability(x.device) >= (9, 0)
 
 
 def use_gemv(x: torch.Tensor) -> bool:
@@ -131,6 +138,8 @@ def _gemv_kernel(
     out_ptr,  # [M, N_OUT]
     positions_ptr,  # int [M]; read only by the ROPE epilogue
     cos_sin_ptr,  # [max_position, HEAD_DIM]: cos | sin; read only by ROPE
+    prefetch_ptr,  # bytes to pull into L2 once this program is done; PREFETCH_LANES > 0
+    prefetch_chunks, prefetch_chunk_bytes,  # ... in chunks of this many bytes (16 | it)
     N_OUT,  # output columns (SILU: the intermediate size; its weight has 2 * N_OUT rows)
     stride_x, stride_r, stride_o, stride_cs,
     eps,
@@ -147,6 +156,7 @@ def _gemv_kernel(
     HEAD_DIM: tl.constexpr,  # ROPE only
     NUM_ROPE_HEADS: tl.constexpr,  # ROPE: q + k heads (rotated); the v heads after are not
     USE_PDL: tl.constexpr = False,  # launched with programmatic dependent launch (sm_90+)
+    PREFETCH_LANES: tl.constexpr = 0,  # chunks per program: one per thread
 ):
     rows_a, rows_b, row_mask, head, dims = _program_rows(
         tl.program_id(0), N_OUT, BLOCK_N, EPILOGUE, HEAD_DIM)
@@ -225,6 +235,24 @@ def _gemv_kernel(
                       bias_ptr, residual_ptr, out_ptr, positions_ptr, cos_sin_ptr,
                       stride_r, stride_o, stride_cs,
                       HAS_BIAS, EPILOGUE, HEAD_DIM, NUM_ROPE_HEADS)
+    if PREFETCH_LANES > 0:
+        _prefetch_l2(prefetch_ptr, prefetch_chunks, prefetch_chunk_bytes, PREFETCH_LANES)
+
+
+@triton.jit
+def _prefetch_l2(base_ptr, num_chunks, chunk_bytes, LANES: tl.constexpr):
+    """This program's share of a tensor into L2, one chunk per thread (LANES = threads, so
+    no lane is a replica): cp.async.bulk.prefetch.L2, sm_90+, holds no registers, waits for
+    nothing and writes nothing, so it cannot change a result. Spare lanes of the last
+    program fetch the last chunk again (harmless)."""
+    idx = tl.program_id(0) * LANES + tl.arange(0, LANES)
+    idx = tl.minimum(idx, num_chunks - 1)
+    tl.inline_asm_elementwise(
+        "cp.async.bulk.prefetch.L2.global [$1], $2;\n\tmov.u32 $0, 0;",
+        "=r,l,r", [base_ptr.to(tl.pointer_type(tl.int8)) + idx.to(tl.int64) * chunk_bytes,
+                   tl.full([LANES], 0, tl.int32) + chunk_bytes],
+        dtype=tl.int32, is_pure=False, pack=1,
+    )
 
 
 @triton.jit
@@ -318,9 +346,12 @@ def gemv(
     head_dim: int = 0,  # ROPE
     num_rope_heads: int = 0,  # ROPE: leading heads to rotate (q and k)
     config: tuple | None = None,  # (BLOCK_N, BLOCK_K, warps, stages[, use_dot])
+    l2_prefetch: torch.Tensor | None = None,  # contiguous: into L2 as programs finish
 ) -> torch.Tensor:
     """out = epilogue(norm?(x) @ weight.T + bias): [M, rows], or [M, rows / 2] for SILU.
-    One launch."""
+    One launch. With `l2_prefetch` (CUDA sm_90+; ignored elsewhere), each program ends by
+    asking L2 for its share of that tensor: the next kernel that reads it finds it there
+    if the GPU has the memory bandwidth to spare in between (e.g. during the attention)."""
     assert epilogue in _EPILOGUES, epilogue
     num_tokens, k = x.shape
     rows = weight.shape[0]
@@ -352,10 +383,20 @@ def gemv(
     extra = {"num_warps": num_warps, "num_stages": num_stages} if x.is_cuda else {}
     # launched while the previous kernel drains where PDL is on; see pdl_wait_and_release
     extra.update(pdl_launch(x))
+    prefetch_chunks = chunk_bytes = 0
+    if l2_prefetch is not None and _bulk_prefetch_supported(x):
+        assert l2_prefetch.is_contiguous() and l2_prefetch.data_ptr() % 16 == 0
+        nbytes = l2_prefetch.numel() * l2_prefetch.element_size()
+        lanes = grid[0] * num_warps * 32
+        chunk_bytes = triton.cdiv(triton.cdiv(nbytes, lanes), 16) * 16
+        prefetch_chunks = nbytes // chunk_bytes  # a tail under one chunk stays out
+        if prefetch_chunks > 0:
+            extra["PREFETCH_LANES"] = num_warps * 32
     _gemv_kernel[grid](
         x, weight, x if bias is None else bias, x if norm_weight is None else norm_weight,
         x if residual is None else residual, out,
         x if positions is None else positions, x if cos_sin_cache is None else cos_sin_cache,
+        x if prefetch_chunks == 0 else l2_prefetch, prefetch_chunks, chunk_bytes,
         n_out,
         x.stride(0), 0 if residual is None else residual.stride(0), out.stride(0),
         0 if cos_sin_cache is None else cos_sin_cache.stride(0),
