@@ -44,9 +44,14 @@ SHAPES = [
     ("qwen3 down", 1024, 3072, "residual", False, 0, 0),
     ("qwen3 lm_head", 151936, 1024, "none", False, 0, 0),
 ]
-# (BLOCK_N, BLOCK_K, warps, stages, use_dot): the FMA kernel, then the tensor-core one
+# (BLOCK_N, BLOCK_K, warps, stages, kernel[, preload]): the FMA kernel (kernel 0; stages
+# do not apply), the double-buffered FMA kernel (2), the tensor-core one (1), and that one
+# again waiting for the previous kernel before its first weight tile (preload 0), which
+# measured faster for llama's gate_up (docs/results/h200_gemv_variants.log).
 SWEEP = [*itertools.product((8, 16, 32), (256, 512, 1024), (4, 8), (2, 4), (0,)),
-         *itertools.product((16, 32, 64), (128, 256, 512), (4, 8), (3, 5), (1,))]
+         *itertools.product((4, 8, 16, 32), (128, 256, 512), (4, 8), (1,), (2,)),
+         *itertools.product((16, 32, 64), (128, 256, 512), (4, 8), (3, 5), (1,)),
+         *itertools.product((32, 64), (128, 256), (4,), (3, 4), (1,), (0,))]
 REPS = 20
 COPY_BYTES = 1 << 30  # distinct weight copies per shape: ~1 GiB, >> the 50 MB L2
 
@@ -128,7 +133,7 @@ def bench_shape(name, rows, k, epilogue, has_norm, head_dim, rope_heads, m, bw, 
             raise AssertionError(f"{name} config {cfg}: differs from float32 by {err}")
         ms = timed(case.fused(cfg))
         result = {"config": list(cfg), "time_ms": ms, "max_abs_err": err}
-        kind = "dot" if cfg[4] else "fma"
+        kind = ("fma", "dot", "fma2")[cfg[4]]
         if kind not in by_kernel or ms < by_kernel[kind]["time_ms"]:
             by_kernel[kind] = result
         if best is None or ms < best["time_ms"]:

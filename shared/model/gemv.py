@@ -5,12 +5,19 @@ one activation row. On the H200, cuBLAS streams the small llama-3-8b matrices (q
 o_proj) at 61-77% of the read bandwidth and splits K behind an extra reduction kernel,
 and each of the decoder's ~13 kernels per layer pays launch latency and a tail. Here a
 program owns BLOCK_N output rows over the whole of K (each weight row read once, no
-split-K), with either FMAs (USE_DOT=0) or a tensor-core dot against the token rows padded
-to 16 (USE_DOT=1); the table below picks per shape. Their sm_90 code, compiled with the
-16-byte pointer alignment a launch specialises on: the dot kernel streams the weights
-through a num_stages-deep shared-memory pipeline (cp.async); the FMA kernel uses 16-byte
-vector loads straight to registers and gets its bandwidth from many programs in flight.
-Neither uses TMA. The ops around a GEMV ride along in its prologue or epilogue:
+split-K), with FMAs (kernel 0), FMAs over a register double buffer (kernel 2: one token
+row) or a tensor-core dot against the token rows padded to 16 (kernel 1); the table below
+picks per shape. Their sm_90 code, compiled with the 16-byte pointer alignment a launch
+specialises on: the dot kernel streams the weights through a num_stages-deep
+shared-memory pipeline (cp.async); the FMA kernels use 16-byte vector loads straight to
+registers (Triton does not software-pipeline them), so kernel 0 gets its bandwidth from
+many programs in flight and kernel 2 also from issuing tile k + 1's loads before it
+multiplies tile k (on the H200 it streams llama's down_proj at 94% of the read
+bandwidth against 89% for the best single-buffered config). Neither uses TMA. Under PDL a
+program loads its first weight tile before it waits for the previous kernel, unless its
+config says not to (the dot kernel on llama's gate_up measured faster without: the tile
+held in registers across the wait costs registers the pipeline wants). The ops around a
+GEMV ride along in its prologue or epilogue:
 
 - NORM prologue: RMSNorm of the input, folded into the dot product:
   y = rstd * sum_k W[n, k] * (x_k * g_k), with sum_k x_k^2 accumulated in the same pass,
@@ -25,7 +32,10 @@ Neither uses TMA. The ops around a GEMV ride along in its prologue or epilogue:
 Each kernel is one launch whose grid depends only on the weight shape and the token count,
 and nothing is read back to the host: CUDA-graph capturable. The launch configuration per
 (device, variant, shape) comes from gemv_configs.json, written by scripts/bench_gemv.py
-on that device (measured, not guessed); shapes it lacks get a default.
+(each shape alone) and scripts/bench_gemv_variants.py (llama-3-8b's four layer GEMVs in a
+chain) on that device: measured, not guessed; shapes it lacks get a default. A config is
+(BLOCK_N, BLOCK_K, num_warps, num_stages[, kernel[, preload]]), kernel 0 by default and
+preload 1.
 """
 
 from __future__ import annotations
@@ -37,7 +47,7 @@ from pathlib import Path
 import torch
 
 from shared.model import fused_ops
-from shared.triton_utils import INTERPRET, _capability, pdl_launch, pdl_wait_and_release, tl, triton
+from shared.triton_utils import pdl_launch, pdl_wait_and_release, tl, triton
 
 # Token counts up to this take the GEMV path. Measured (docs/results, h200_gemv.log): with
 # the M=1 configs a layer's fused GEMVs are only 1-3% faster than cuBLAS + separate kernels
@@ -48,15 +58,11 @@ ENABLED = True
 
 _EPILOGUES = {"none": 0, "residual": 1, "silu": 2, "rope": 3}
 _CONFIG_FILE = Path(__file__).with_name("gemv_configs.json")
-# Module switch (benchmarks flip it): whether the llama qkv GEMV pulls o_proj's weight into
-# L2 as its programs finish, so that it streams in while the attention runs.
-PREFETCH_O_PROJ = True
 # (BLOCK_N, BLOCK_K, num_warps, num_stages, use_dot) when the table has no entry
 _DEFAULT_CONFIG = (16, 512, 4, 3, 0)
-
-
-def _bulk_prefetch_supported(x: torch.Tensor) -> bool:
-    return x.is_cuda and not INTERPRET and _capability(x.device) >= (9, 0)
+# Benchmarks set entries (config_key -> config) to run a shape with another config than
+# the table's, e.g. the table a result was measured with before.
+CONFIG_OVERRIDES: dict[str, tuple] = {}
 
 
 def use_gemv(x: torch.Tensor) -> bool:
@@ -138,8 +144,6 @@ def _gemv_kernel(
     out_ptr,  # [M, N_OUT]
     positions_ptr,  # int [M]; read only by the ROPE epilogue
     cos_sin_ptr,  # [max_position, HEAD_DIM]: cos | sin; read only by ROPE
-    prefetch_ptr,  # bytes to pull into L2 once this program is done; PREFETCH_LANES > 0
-    prefetch_chunks, prefetch_chunk_bytes,  # ... in chunks of this many bytes (16 | it)
     N_OUT,  # output columns (SILU: the intermediate size; its weight has 2 * N_OUT rows)
     stride_x, stride_r, stride_o, stride_cs,
     eps,
@@ -156,7 +160,8 @@ def _gemv_kernel(
     HEAD_DIM: tl.constexpr,  # ROPE only
     NUM_ROPE_HEADS: tl.constexpr,  # ROPE: q + k heads (rotated); the v heads after are not
     USE_PDL: tl.constexpr = False,  # launched with programmatic dependent launch (sm_90+)
-    PREFETCH_LANES: tl.constexpr = 0,  # chunks per program: one per thread
+    PRELOAD: tl.constexpr = True,  # USE_PDL: load the first weight tile before the wait
+    DOUBLE_BUFFER: tl.constexpr = False,  # FMA, M = 1: load tile k + 1 before using tile k
 ):
     rows_a, rows_b, row_mask, head, dims = _program_rows(
         tl.program_id(0), N_OUT, BLOCK_N, EPILOGUE, HEAD_DIM)
@@ -170,7 +175,9 @@ def _gemv_kernel(
         acc_b = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
         sum_sq = tl.zeros([BLOCK_M], dtype=tl.float32)
         start = 0
-        if USE_PDL:
+        if USE_PDL and not PRELOAD:
+            pdl_wait_and_release()
+        if USE_PDL and PRELOAD:
             # The loop's first step, with the weight load moved ahead of the PDL wait.
             cols, col_mask, wa, wb = _first_weights_then_wait(w_a, w_b, row_mask, K, BLOCK_K,
                                                               PAIRED)
@@ -200,6 +207,11 @@ def _gemv_kernel(
                       bias_ptr, residual_ptr, out_ptr, positions_ptr, cos_sin_ptr,
                       stride_r, stride_o, stride_cs,
                       HAS_BIAS, EPILOGUE, HEAD_DIM, NUM_ROPE_HEADS)
+    elif DOUBLE_BUFFER:
+        _fma_double_buffered(x_ptr, w_a, w_b, norm_w_ptr, bias_ptr, residual_ptr, out_ptr,
+                             positions_ptr, cos_sin_ptr, rows_a, rows_b, row_mask, head, dims,
+                             stride_r, stride_o, stride_cs, eps, K, BLOCK_K, HAS_BIAS,
+                             HAS_NORM, EPILOGUE, HEAD_DIM, NUM_ROPE_HEADS, USE_PDL, PRELOAD)
     else:
         # FMAs per token: the weight tile is re-read (from L2) for every token after the
         # first, so this is for M = 1.
@@ -209,7 +221,9 @@ def _gemv_kernel(
             sum_sq = tl.zeros([BLOCK_K], dtype=tl.float32)
             x_row = x_ptr + m * stride_x
             start = 0
-            if USE_PDL and m == 0:  # see the dot branch
+            if USE_PDL and m == 0 and not PRELOAD:
+                pdl_wait_and_release()
+            if USE_PDL and m == 0 and PRELOAD:  # see the dot branch
                 cols, col_mask, wa, wb = _first_weights_then_wait(w_a, w_b, row_mask, K,
                                                                   BLOCK_K, PAIRED)
                 x, sum_sq = _x_tile_fma(x_row, norm_w_ptr, cols, col_mask, sum_sq, HAS_NORM)
@@ -235,24 +249,56 @@ def _gemv_kernel(
                       bias_ptr, residual_ptr, out_ptr, positions_ptr, cos_sin_ptr,
                       stride_r, stride_o, stride_cs,
                       HAS_BIAS, EPILOGUE, HEAD_DIM, NUM_ROPE_HEADS)
-    if PREFETCH_LANES > 0:
-        _prefetch_l2(prefetch_ptr, prefetch_chunks, prefetch_chunk_bytes, PREFETCH_LANES)
 
 
 @triton.jit
-def _prefetch_l2(base_ptr, num_chunks, chunk_bytes, LANES: tl.constexpr):
-    """This program's share of a tensor into L2, one chunk per thread (LANES = threads, so
-    no lane is a replica): cp.async.bulk.prefetch.L2, sm_90+, holds no registers, waits for
-    nothing and writes nothing, so it cannot change a result. Spare lanes of the last
-    program fetch the last chunk again (harmless)."""
-    idx = tl.program_id(0) * LANES + tl.arange(0, LANES)
-    idx = tl.minimum(idx, num_chunks - 1)
-    tl.inline_asm_elementwise(
-        "cp.async.bulk.prefetch.L2.global [$1], $2;\n\tmov.u32 $0, 0;",
-        "=r,l,r", [base_ptr.to(tl.pointer_type(tl.int8)) + idx.to(tl.int64) * chunk_bytes,
-                   tl.full([LANES], 0, tl.int32) + chunk_bytes],
-        dtype=tl.int32, is_pure=False, pack=1,
-    )
+def _fma_double_buffered(x_ptr, w_a, w_b, norm_w_ptr, bias_ptr, residual_ptr, out_ptr,
+                         positions_ptr, cos_sin_ptr, rows_a, rows_b, row_mask, head, dims,
+                         stride_r, stride_o, stride_cs, eps, K: tl.constexpr,
+                         BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_NORM: tl.constexpr,
+                         EPILOGUE: tl.constexpr, HEAD_DIM: tl.constexpr,
+                         NUM_ROPE_HEADS: tl.constexpr, USE_PDL: tl.constexpr,
+                         PRELOAD: tl.constexpr):
+    """The FMA kernel for one token with the weight in registers twice over: each step
+    issues the next tile's loads before it multiplies the current one, so a program keeps
+    two tiles in flight (the FMA loop is not software-pipelined: nothing of it goes
+    through shared memory). The step past the last tile loads nothing (all masked)."""
+    PAIRED: tl.constexpr = EPILOGUE >= 2
+    BLOCK_N: tl.constexpr = rows_a.shape[0]
+    if USE_PDL and not PRELOAD:
+        pdl_wait_and_release()
+    cols = tl.arange(0, BLOCK_K)
+    col_mask = cols < K
+    wa = _weight_tile(w_a, cols, row_mask, col_mask)
+    wb = wa
+    if PAIRED:
+        wb = _weight_tile(w_b, cols, row_mask, col_mask)
+    if USE_PDL and PRELOAD:
+        pdl_wait_and_release()
+    acc_a = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    acc_b = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    sum_sq = tl.zeros([BLOCK_K], dtype=tl.float32)
+    for k0 in range(BLOCK_K, K + BLOCK_K, BLOCK_K):
+        next_cols = k0 + tl.arange(0, BLOCK_K)
+        next_mask = next_cols < K
+        wa_next = _weight_tile(w_a, next_cols, row_mask, next_mask)
+        wb_next = wa_next
+        if PAIRED:
+            wb_next = _weight_tile(w_b, next_cols, row_mask, next_mask)
+        x, sum_sq = _x_tile_fma(x_ptr, norm_w_ptr, cols, col_mask, sum_sq, HAS_NORM)
+        acc_a += wa.to(tl.float32) * x[None, :]
+        if PAIRED:
+            acc_b += wb.to(tl.float32) * x[None, :]
+        wa, wb, cols, col_mask = wa_next, wb_next, next_cols, next_mask
+    y_a = tl.sum(acc_a, axis=1)
+    y_b = tl.sum(acc_b, axis=1)
+    if HAS_NORM:
+        rstd = tl.math.rsqrt(tl.sum(sum_sq, axis=0) / K + eps)
+        y_a = y_a * rstd
+        y_b = y_b * rstd
+    _epilogue(y_a, y_b, 0, rows_a, rows_b, row_mask, head, dims,
+              bias_ptr, residual_ptr, out_ptr, positions_ptr, cos_sin_ptr,
+              stride_r, stride_o, stride_cs, HAS_BIAS, EPILOGUE, HEAD_DIM, NUM_ROPE_HEADS)
 
 
 @triton.jit
@@ -322,14 +368,17 @@ def config_key(epilogue: str, has_norm: bool, rows: int, k: int, m: int,
     return f"{epilogue}{'+norm' if has_norm else ''}:{rows}x{k}:m{m}:{str(dtype)[6:]}"
 
 
-def _config_for(x: torch.Tensor, key: str, override) -> tuple[int, int, int, int, int]:
+def _config_for(x: torch.Tensor, key: str, override) -> tuple[int, int, int, int, int, int]:
     if override is not None:
         config = tuple(override)
+    elif key in CONFIG_OVERRIDES:
+        config = tuple(CONFIG_OVERRIDES[key])
     elif not x.is_cuda:
         config = _DEFAULT_CONFIG
     else:
         config = tuple(_config_table(torch.cuda.get_device_name(x.device)).get(key, _DEFAULT_CONFIG))
-    return config + (0,) * (5 - len(config))  # 4-tuples: the FMA kernel
+    config = config + (0,) * (5 - len(config))  # 4-tuples: the FMA kernel
+    return config + (1,) * (6 - len(config))  # preload by default
 
 
 def gemv(
@@ -345,13 +394,10 @@ def gemv(
     cos_sin_cache: torch.Tensor | None = None,  # [max_position, head_dim] (ROPE)
     head_dim: int = 0,  # ROPE
     num_rope_heads: int = 0,  # ROPE: leading heads to rotate (q and k)
-    config: tuple | None = None,  # (BLOCK_N, BLOCK_K, warps, stages[, use_dot])
-    l2_prefetch: torch.Tensor | None = None,  # contiguous: into L2 as programs finish
+    config: tuple | None = None,  # (BLOCK_N, BLOCK_K, warps, stages[, kernel[, preload]])
 ) -> torch.Tensor:
     """out = epilogue(norm?(x) @ weight.T + bias): [M, rows], or [M, rows / 2] for SILU.
-    One launch. With `l2_prefetch` (CUDA sm_90+; ignored elsewhere), each program ends by
-    asking L2 for its share of that tensor: the next kernel that reads it finds it there
-    if the GPU has the memory bandwidth to spare in between (e.g. during the attention)."""
+    One launch."""
     assert epilogue in _EPILOGUES, epilogue
     num_tokens, k = x.shape
     rows = weight.shape[0]
@@ -364,7 +410,8 @@ def gemv(
     if num_tokens == 0:
         return out
     key = config_key(epilogue, norm_weight is not None, rows, k, num_tokens, x.dtype)
-    block_n, block_k, num_warps, num_stages, use_dot = _config_for(x, key, config)
+    block_n, block_k, num_warps, num_stages, kernel, preload = _config_for(x, key, config)
+    use_dot, double_buffer = kernel == 1, kernel == 2 and num_tokens == 1
     if use_dot:
         block_n = max(block_n, 16)  # tl.dot's smallest tile
     if epilogue == "rope":
@@ -383,25 +430,16 @@ def gemv(
     extra = {"num_warps": num_warps, "num_stages": num_stages} if x.is_cuda else {}
     # launched while the previous kernel drains where PDL is on; see pdl_wait_and_release
     extra.update(pdl_launch(x))
-    prefetch_chunks = chunk_bytes = 0
-    if l2_prefetch is not None and _bulk_prefetch_supported(x):
-        assert l2_prefetch.is_contiguous() and l2_prefetch.data_ptr() % 16 == 0
-        nbytes = l2_prefetch.numel() * l2_prefetch.element_size()
-        lanes = grid[0] * num_warps * 32
-        chunk_bytes = triton.cdiv(triton.cdiv(nbytes, lanes), 16) * 16
-        prefetch_chunks = nbytes // chunk_bytes  # a tail under one chunk stays out
-        if prefetch_chunks > 0:
-            extra["PREFETCH_LANES"] = num_warps * 32
     _gemv_kernel[grid](
         x, weight, x if bias is None else bias, x if norm_weight is None else norm_weight,
         x if residual is None else residual, out,
         x if positions is None else positions, x if cos_sin_cache is None else cos_sin_cache,
-        x if prefetch_chunks == 0 else l2_prefetch, prefetch_chunks, chunk_bytes,
         n_out,
         x.stride(0), 0 if residual is None else residual.stride(0), out.stride(0),
         0 if cos_sin_cache is None else cos_sin_cache.stride(0),
         eps,
-        K=k, M=num_tokens, BLOCK_N=block_n, BLOCK_K=block_k, USE_DOT=bool(use_dot),
+        K=k, M=num_tokens, BLOCK_N=block_n, BLOCK_K=block_k, USE_DOT=use_dot,
+        DOUBLE_BUFFER=double_buffer, PRELOAD=bool(preload),
         BLOCK_M=max(16, triton.next_power_of_2(num_tokens)), IEEE=x.dtype == torch.float32,
         HAS_BIAS=bias is not None, HAS_NORM=norm_weight is not None,
         EPILOGUE=_EPILOGUES[epilogue], HEAD_DIM=head_dim, NUM_ROPE_HEADS=num_rope_heads,

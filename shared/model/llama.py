@@ -109,7 +109,6 @@ class LlamaAttention(nn.Module):
                 stream, proj.weight, proj.bias, norm_weight=norm.weight, eps=norm.eps,
                 epilogue="rope", positions=positions, cos_sin_cache=rope.cos_sin_cache,
                 head_dim=self.head_dim, num_rope_heads=self.num_heads + self.num_kv_heads,
-                l2_prefetch=self.o_proj.weight if gemv.PREFETCH_O_PROJ else None,
             )
             return qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         qkv = gemv.gemv(stream, proj.weight, proj.bias, norm_weight=norm.weight, eps=norm.eps)

@@ -46,9 +46,10 @@ def _rope_ref(qkv, positions, cos_sin, num_heads, num_kv_heads, head_dim):
     return torch.cat([q.reshape(m, -1), k.reshape(m, -1), v], dim=-1)
 
 
-# (BLOCK_N, BLOCK_K, warps, stages, use_dot): partial row/col tiles, both kernels
+# (BLOCK_N, BLOCK_K, warps, stages, kernel[, preload]): partial row/col tiles, all three
+# kernels (0 FMA, 1 dot, 2 double-buffered FMA: one token row, more rows fall back to 0)
 CONFIGS_SMALL = [(8, 128, 4, 2, 0), (4, 64, 2, 3, 0), (16, 512, 4, 2, 0), (16, 64, 4, 2, 1),
-                 (32, 128, 4, 2, 1)]
+                 (32, 128, 4, 2, 1), (8, 64, 4, 1, 2), (4, 128, 2, 1, 2), (16, 64, 4, 2, 1, 0)]
 
 
 @pytest.mark.parametrize("m", [1, 3, 17])
@@ -100,6 +101,30 @@ def test_rope_epilogue_matches_transformers(head_dim, config):
     ref = _rope_ref(qkv, positions, rope.cos_sin_cache, num_heads, num_kv_heads, head_dim)
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
     assert not torch.allclose(got, qkv, atol=1e-3)  # the rotation did something
+
+
+@pytest.mark.parametrize("config", [(8, 64, 4, 1, 2), (4, 128, 4, 1, 2), (16, 32, 2, 1, 2)])
+def test_double_buffered_fma_one_token(config):
+    """Kernel 2 (one token row) against independent oracles for every epilogue, on a K
+    that leaves a partial last tile (so the step past the end loads nothing)."""
+    k, eps, head_dim, num_heads, num_kv_heads = 300, 1e-5, 16, 4, 2
+    x, g = _randn(1, k, seed=20, scale=2.0), 1.0 + 0.2 * _randn(k, seed=21)
+    w, r = _randn(70, k, seed=22, scale=0.1), _randn(1, 70, seed=23)
+    torch.testing.assert_close(gemv.gemv(x, w, epilogue="residual", residual=r, config=config),
+                               F.linear(x, w) + r, rtol=1e-5, atol=1e-5)
+    gate, up = F.linear(_rms(x, g, eps), w).chunk(2, dim=-1)
+    got = gemv.gemv(x, w, norm_weight=g, eps=eps, epilogue="silu", config=config)
+    torch.testing.assert_close(got, F.silu(gate) * up, rtol=1e-5, atol=1e-5)
+    rows = (num_heads + 2 * num_kv_heads) * head_dim
+    w = _randn(rows, k, seed=24, scale=0.1)
+    rope = RotaryEmbedding(head_dim, head_dim, 64, {"rope_type": "default", "rope_theta": 1e4})
+    positions = torch.tensor([37], dtype=torch.int64)
+    got = gemv.gemv(x, w, norm_weight=g, eps=eps, epilogue="rope", positions=positions,
+                    cos_sin_cache=rope.cos_sin_cache, head_dim=head_dim,
+                    num_rope_heads=num_heads + num_kv_heads, config=config)
+    ref = _rope_ref(F.linear(_rms(x, g, eps), w), positions, rope.cos_sin_cache, num_heads,
+                    num_kv_heads, head_dim)
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
 
 
 def test_dispatch_rule(monkeypatch):
@@ -210,8 +235,9 @@ def test_config_table_is_well_formed():
     real key and a runnable config shape; the llama-3-8b decode shapes are all tuned."""
     table = gemv._config_table("NVIDIA H200")
     for key, cfg in table.items():
-        assert len(cfg) == 5 and cfg[0] >= 1 and cfg[1] >= 16 and cfg[4] in (0, 1), (key, cfg)
-        assert cfg[4] == 0 or cfg[0] >= 16, (key, cfg)  # tl.dot's smallest tile
+        assert len(cfg) in (5, 6) and cfg[0] >= 1 and cfg[1] >= 16, (key, cfg)
+        assert cfg[4] in (0, 1, 2) and (len(cfg) == 5 or cfg[5] in (0, 1)), (key, cfg)
+        assert cfg[4] != 1 or cfg[0] >= 16, (key, cfg)  # tl.dot's smallest tile
     bf16 = torch.bfloat16
     for key in [gemv.config_key("rope", True, 6144, 4096, 1, bf16),
                 gemv.config_key("residual", False, 4096, 4096, 1, bf16),

@@ -1,0 +1,105 @@
+"""Tune llama-3-8b's four layer-GEMV launch configs inside the decode step they run in.
+
+bench_gemv times each shape alone and bench_gemv_variants the four in a chain; neither
+has the attention kernels, the norms and the LM head around them, and a config that wins
+there can lose in the step (the chain predicted 5 us per layer for the variants table, the
+step gave 1.6). Here each candidate is a whole V1 engine (llama-3-8b, dummy bf16 weights,
+batch 1, context 1024, FULL graphs) with gemv.CONFIG_OVERRIDES set, timed by the GPU time
+of its decode forward (median over the steps). Coordinate descent from the current table:
+one shape at a time, each candidate of CANDIDATES, keep one only if it beats the best so
+far by more than --margin ms; then the table and the tuned configs side by side, in
+alternating order, --confirm times each.
+
+  python3 scripts/tune_gemv_in_step.py --out tune.json [--configs-out FILE] [--rounds N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_decode import free, make_engine, reset_switches  # noqa: E402
+
+from shared.bench.measure import measure_read_bandwidth, run_decode  # noqa: E402
+from shared.model import gemv  # noqa: E402
+
+# config_key -> configs to try, (BLOCK_N, BLOCK_K, warps, stages, kernel, preload): the
+# double-buffered FMA kernel over a grid of tiles, then the other kernels' best few from
+# h200_gemv_variants and the table before it.
+_FMA2 = [(n, k, w, 1, 2, 1) for n in (4, 8, 16) for k in (128, 256, 512) for w in (4, 8)]
+CANDIDATES = {
+    "rope+norm:6144x4096:m1:bfloat16": _FMA2 + [(8, 256, 8, 2, 0, 1), (8, 256, 8, 2, 0, 0)],
+    "residual:4096x4096:m1:bfloat16": _FMA2 + [(8, 512, 8, 4, 0, 1), (8, 512, 8, 4, 0, 0)],
+    "silu+norm:28672x4096:m1:bfloat16": _FMA2 + [
+        (64, 256, 4, 3, 1, 0), (32, 256, 4, 2, 0, 1), (64, 256, 4, 3, 1, 1)],
+    "residual:4096x14336:m1:bfloat16": _FMA2 + [(32, 512, 4, 5, 1, 1), (32, 512, 8, 1, 2, 1)],
+}
+
+
+def step_ms(configs: dict[str, tuple], steps: int, log: list) -> float:
+    """Median decode-forward GPU ms of a fresh V1 engine with these GEMV configs."""
+    gemv.CONFIG_OVERRIDES.update(configs)
+    engine = make_engine("llama-3-8b", "v1", False, 8, [1, 2, 4, 8], 2048, 512)
+    samples, _, _ = run_decode(engine, 1, 1024, warmup=10, steps=steps, tag="t")
+    free(engine)
+    reset_switches()  # clears the overrides
+    ms = statistics.median(samples.forward_gpu_ms)
+    log.append({"configs": {k: list(v) for k, v in configs.items()}, "forward_gpu_ms": ms})
+    print(f"  {ms:.4f} ms  {[list(configs[k]) for k in CANDIDATES]}", flush=True)
+    return ms
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--out", type=Path, default=None)
+    p.add_argument("--configs-out", type=Path, default=None)
+    p.add_argument("--rounds", type=int, default=1)
+    p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--margin", type=float, default=0.004, help="ms a candidate must win by")
+    p.add_argument("--confirm", type=int, default=3)
+    args = p.parse_args()
+    bw = measure_read_bandwidth(torch.device("cuda")) / 1e9
+    gpu = torch.cuda.get_device_name()
+    table = gemv._config_table(gpu)
+    start = {k: tuple(table[k]) for k in CANDIDATES}
+    print(f"GPU {gpu}: read bandwidth {bw:.0f} GB/s; table {start}", flush=True)
+    log: list = []
+    best, best_ms = dict(start), step_ms(start, args.steps, log)
+    for _ in range(args.rounds):
+        for key, cands in CANDIDATES.items():
+            for cfg in cands:
+                if cfg == best[key]:
+                    continue
+                ms = step_ms({**best, key: cfg}, args.steps, log)
+                if ms < best_ms - args.margin:
+                    best, best_ms = {**best, key: cfg}, ms
+    confirm = {"table": [], "tuned": []}
+    for i in range(args.confirm):
+        for label in ("table", "tuned") if i % 2 == 0 else ("tuned", "table"):
+            confirm[label].append(step_ms(start if label == "table" else best, args.steps, log))
+    table_ms, tuned_ms = (statistics.median(confirm[k]) for k in ("table", "tuned"))
+    print(f"table {table_ms:.4f} ms, tuned {tuned_ms:.4f} ms: {best}", flush=True)
+    if args.configs_out and tuned_ms < table_ms - args.margin:
+        tables = json.loads(args.configs_out.read_text()) if args.configs_out.exists() else {}
+        tables.setdefault(gpu, {}).update({k: list(v) for k, v in best.items()})
+        args.configs_out.write_text(json.dumps(tables, indent=1, sort_keys=True) + "\n")
+        print(f"wrote {args.configs_out}", flush=True)
+    report = {"command": "python3 scripts/tune_gemv_in_step.py " + " ".join(sys.argv[1:]),
+              "gpu": gpu, "read_bandwidth_GBps": bw, "table": {k: list(v) for k, v in start.items()},
+              "tuned": {k: list(v) for k, v in best.items()}, "confirm_ms": confirm,
+              "table_ms": table_ms, "tuned_ms": tuned_ms, "runs": log}
+    if args.out:
+        args.out.write_text(json.dumps(report, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
