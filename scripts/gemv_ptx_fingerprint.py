@@ -34,13 +34,18 @@ from triton.compiler import ASTSource, compile  # noqa: E402
 
 from shared.model import gemv  # noqa: E402
 
-# name, USE_DOT, epilogue, BLOCK_N, BLOCK_K, stages, warps, K, M, bias
+# name, kernel (0 FMA, 1 dot, 2/3 buffered FMA), epilogue, BLOCK_N, BLOCK_K, stages, warps,
+# K, M, bias[, preload]: the H200 table's llama-3-8b entries, then odd ones
 VARIANTS = [
-    ("qkv", 0, "rope", 8, 256, 2, 8, 4096, 1, False),
-    ("o_proj", 0, "residual", 8, 512, 4, 8, 4096, 1, False),
-    ("gate_up", 0, "silu", 32, 256, 2, 4, 4096, 1, False),
-    ("down", 1, "residual", 32, 512, 5, 4, 14336, 1, False),
+    ("qkv", 2, "rope", 4, 256, 1, 4, 4096, 1, False),
+    ("o_proj", 2, "residual", 8, 512, 1, 8, 4096, 1, False),
+    ("gate_up", 2, "silu", 8, 128, 1, 4, 4096, 1, False),
+    ("down", 2, "residual", 8, 512, 1, 8, 14336, 1, False),
     ("lm_head", 1, "none", 64, 128, 3, 4, 4096, 1, False),
+    ("fma_gate_up", 0, "silu", 32, 256, 2, 4, 4096, 1, False),
+    ("dot_down", 1, "residual", 32, 512, 5, 4, 14336, 1, False),
+    ("dot_gate_up_no_preload", 1, "silu", 64, 256, 3, 4, 4096, 1, False, 0),
+    ("fma3_gate_up", 3, "silu", 8, 128, 1, 4, 4096, 1, False),
     ("fma_3_tokens", 0, "silu", 16, 256, 2, 4, 4096, 3, False),
     ("dot_8_tokens_rope", 1, "rope", 16, 256, 3, 4, 4096, 8, False),
     ("fma_bias_odd_k", 0, "none", 16, 256, 2, 4, 1000, 2, True),
@@ -49,10 +54,11 @@ _SIGNATURE = inspect.signature(gemv._gemv_kernel.fn)
 POINTERS = ("x_ptr", "w_ptr", "bias_ptr", "norm_w_ptr", "residual_ptr", "out_ptr")
 
 
-def fingerprint(name, use_dot, epilogue, block_n, block_k, stages, warps, k, m, bias, pdl,
-                dtype) -> str:
+def fingerprint(name, kernel, epilogue, block_n, block_k, stages, warps, k, m, bias,
+                preload=1, *, pdl, dtype) -> str:
     const = dict(
-        K=k, M=m, BLOCK_N=block_n, BLOCK_K=block_k, USE_DOT=bool(use_dot), BLOCK_M=16,
+        K=k, M=m, BLOCK_N=block_n, BLOCK_K=block_k, USE_DOT=kernel == 1, BLOCK_M=16,
+        FMA_DEPTH=kernel if kernel in (2, 3) and m == 1 else 0, PRELOAD=bool(preload),
         IEEE=dtype == "fp32", HAS_BIAS=bias, HAS_NORM=epilogue in ("silu", "rope"),
         EPILOGUE=gemv._EPILOGUES[epilogue], HEAD_DIM=128 if epilogue == "rope" else 0,
         NUM_ROPE_HEADS=40 if epilogue == "rope" else 0, USE_PDL=pdl,
@@ -77,7 +83,7 @@ def fingerprint(name, use_dot, epilogue, block_n, block_k, stages, warps, k, m, 
 
 def main() -> int:
     prints = {
-        f"{v[0]}:{dtype}:{'pdl' if pdl else 'plain'}": fingerprint(*v, pdl, dtype)
+        f"{v[0]}:{dtype}:{'pdl' if pdl else 'plain'}": fingerprint(*v, pdl=pdl, dtype=dtype)
         for v in VARIANTS for dtype in ("bf16", "fp32") for pdl in (False, True)
     }
     print(json.dumps(prints, indent=1))

@@ -32,15 +32,19 @@ from shared.bench.measure import measure_read_bandwidth, run_decode  # noqa: E40
 from shared.model import gemv  # noqa: E402
 
 # config_key -> configs to try, (BLOCK_N, BLOCK_K, warps, stages, kernel, preload): the
-# double-buffered FMA kernel over a grid of tiles, then the other kernels' best few from
-# h200_gemv_variants and the table before it.
+# buffered FMA kernels (2: two tiles in flight, 3: three) over a grid of tiles, and the
+# other kernels' best few from h200_gemv_variants and the tables before.
 _FMA2 = [(n, k, w, 1, 2, 1) for n in (4, 8, 16) for k in (128, 256, 512) for w in (4, 8)]
+_FMA3 = [(n, k, w, 1, 3, 1) for n in (4, 8, 16) for k in (128, 256) for w in (4, 8)]
 CANDIDATES = {
-    "rope+norm:6144x4096:m1:bfloat16": _FMA2 + [(8, 256, 8, 2, 0, 1), (8, 256, 8, 2, 0, 0)],
-    "residual:4096x4096:m1:bfloat16": _FMA2 + [(8, 512, 8, 4, 0, 1), (8, 512, 8, 4, 0, 0)],
-    "silu+norm:28672x4096:m1:bfloat16": _FMA2 + [
-        (64, 256, 4, 3, 1, 0), (32, 256, 4, 2, 0, 1), (64, 256, 4, 3, 1, 1)],
-    "residual:4096x14336:m1:bfloat16": _FMA2 + [(32, 512, 4, 5, 1, 1), (32, 512, 8, 1, 2, 1)],
+    "rope+norm:6144x4096:m1:bfloat16": _FMA2 + _FMA3 + [(8, 256, 8, 2, 0, 1)],
+    "residual:4096x4096:m1:bfloat16": _FMA2 + _FMA3 + [(8, 512, 8, 4, 0, 1)],
+    "silu+norm:28672x4096:m1:bfloat16": _FMA2 + _FMA3 + [
+        (64, 256, 4, 3, 1, 0), (32, 256, 4, 2, 0, 1)],
+    "residual:4096x14336:m1:bfloat16": _FMA2 + _FMA3 + [(32, 512, 4, 5, 1, 1)],
+    "none:128256x4096:m1:bfloat16": [
+        (64, 128, 4, 3, 1, 1), (64, 128, 4, 3, 1, 0), (8, 128, 4, 1, 2, 1), (8, 256, 4, 1, 2, 1),
+        (16, 128, 4, 1, 2, 1), (8, 128, 4, 1, 3, 1), (8, 256, 8, 1, 3, 1)],
 }
 
 
@@ -62,6 +66,8 @@ def main() -> int:
     p.add_argument("--out", type=Path, default=None)
     p.add_argument("--configs-out", type=Path, default=None)
     p.add_argument("--rounds", type=int, default=1)
+    p.add_argument("--only", default="", help="comma-separated candidate lists to walk: "
+                   "'fma3' (kernel 3 and the LM head's) or all (default)")
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--margin", type=float, default=0.004, help="ms a candidate must win by")
     p.add_argument("--confirm", type=int, default=3)
@@ -69,12 +75,15 @@ def main() -> int:
     bw = measure_read_bandwidth(torch.device("cuda")) / 1e9
     gpu = torch.cuda.get_device_name()
     table = gemv._config_table(gpu)
-    start = {k: tuple(table[k]) for k in CANDIDATES}
+    start = {k: (*table[k], *(0,) * (5 - len(table[k])), *(1,) * (6 - max(5, len(table[k]))))
+             for k in CANDIDATES}  # padded as gemv._config_for pads
     print(f"GPU {gpu}: read bandwidth {bw:.0f} GB/s; table {start}", flush=True)
     log: list = []
     best, best_ms = dict(start), step_ms(start, args.steps, log)
     for _ in range(args.rounds):
         for key, cands in CANDIDATES.items():
+            if args.only == "fma3":
+                cands = [c for c in cands if c[4] == 3 or key.startswith("none")]
             for cfg in cands:
                 if cfg == best[key]:
                     continue

@@ -5,18 +5,17 @@ one activation row. On the H200, cuBLAS streams the small llama-3-8b matrices (q
 o_proj) at 61-77% of the read bandwidth and splits K behind an extra reduction kernel,
 and each of the decoder's ~13 kernels per layer pays launch latency and a tail. Here a
 program owns BLOCK_N output rows over the whole of K (each weight row read once, no
-split-K), with FMAs (kernel 0), FMAs over a register double buffer (kernel 2: one token
-row) or a tensor-core dot against the token rows padded to 16 (kernel 1); the table below
-picks per shape. Their sm_90 code, compiled with the 16-byte pointer alignment a launch
-specialises on: the dot kernel streams the weights through a num_stages-deep
-shared-memory pipeline (cp.async); the FMA kernels use 16-byte vector loads straight to
-registers (Triton does not software-pipeline them), so kernel 0 gets its bandwidth from
-many programs in flight and kernel 2 also from issuing tile k + 1's loads before it
-multiplies tile k (on the H200 it streams llama's down_proj at 94% of the read
-bandwidth against 89% for the best single-buffered config). Neither uses TMA. Under PDL a
-program loads its first weight tile before it waits for the previous kernel, unless its
-config says not to (the dot kernel on llama's gate_up measured faster without: the tile
-held in registers across the wait costs registers the pipeline wants). The ops around a
+split-K), with FMAs (kernel 0), FMAs over a register double or triple buffer (kernels 2
+and 3, one token row) or a tensor-core dot against the token rows padded to 16 (kernel
+1); the table below picks per shape. Their sm_90 code, compiled with the 16-byte pointer
+alignment a launch specialises on: the dot kernel streams the weights through a
+num_stages-deep shared-memory pipeline (cp.async); the FMA kernels use 16-byte vector
+loads straight to registers (Triton does not software-pipeline them), so kernel 0 gets its
+bandwidth from many programs in flight, and kernels 2 and 3 also from issuing the loads
+of tile k + 1 (k + 2) before they multiply tile k: on the H200, kernel 2 streams llama's
+down_proj at 94% of the read bandwidth against 89% for the best single-buffered config.
+None uses TMA. Under PDL a program loads its first weight tile before it waits for the
+previous kernel, unless its config says not to (preload 0). The ops around a
 GEMV ride along in its prologue or epilogue:
 
 - NORM prologue: RMSNorm of the input, folded into the dot product:
@@ -161,7 +160,7 @@ def _gemv_kernel(
     NUM_ROPE_HEADS: tl.constexpr,  # ROPE: q + k heads (rotated); the v heads after are not
     USE_PDL: tl.constexpr = False,  # launched with programmatic dependent launch (sm_90+)
     PRELOAD: tl.constexpr = True,  # USE_PDL: load the first weight tile before the wait
-    DOUBLE_BUFFER: tl.constexpr = False,  # FMA, M = 1: load tile k + 1 before using tile k
+    FMA_DEPTH: tl.constexpr = 0,  # FMA, M = 1: 2 or 3 weight tiles in flight (else 1)
 ):
     rows_a, rows_b, row_mask, head, dims = _program_rows(
         tl.program_id(0), N_OUT, BLOCK_N, EPILOGUE, HEAD_DIM)
@@ -207,11 +206,11 @@ def _gemv_kernel(
                       bias_ptr, residual_ptr, out_ptr, positions_ptr, cos_sin_ptr,
                       stride_r, stride_o, stride_cs,
                       HAS_BIAS, EPILOGUE, HEAD_DIM, NUM_ROPE_HEADS)
-    elif DOUBLE_BUFFER:
-        _fma_double_buffered(x_ptr, w_a, w_b, norm_w_ptr, bias_ptr, residual_ptr, out_ptr,
-                             positions_ptr, cos_sin_ptr, rows_a, rows_b, row_mask, head, dims,
-                             stride_r, stride_o, stride_cs, eps, K, BLOCK_K, HAS_BIAS,
-                             HAS_NORM, EPILOGUE, HEAD_DIM, NUM_ROPE_HEADS, USE_PDL, PRELOAD)
+    elif FMA_DEPTH > 1:
+        _fma_buffered(x_ptr, w_a, w_b, norm_w_ptr, bias_ptr, residual_ptr, out_ptr,
+                      positions_ptr, cos_sin_ptr, rows_a, rows_b, row_mask, head, dims,
+                      stride_r, stride_o, stride_cs, eps, K, BLOCK_K, FMA_DEPTH, HAS_BIAS,
+                      HAS_NORM, EPILOGUE, HEAD_DIM, NUM_ROPE_HEADS, USE_PDL, PRELOAD)
     else:
         # FMAs per token: the weight tile is re-read (from L2) for every token after the
         # first, so this is for M = 1.
@@ -252,44 +251,41 @@ def _gemv_kernel(
 
 
 @triton.jit
-def _fma_double_buffered(x_ptr, w_a, w_b, norm_w_ptr, bias_ptr, residual_ptr, out_ptr,
-                         positions_ptr, cos_sin_ptr, rows_a, rows_b, row_mask, head, dims,
-                         stride_r, stride_o, stride_cs, eps, K: tl.constexpr,
-                         BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_NORM: tl.constexpr,
-                         EPILOGUE: tl.constexpr, HEAD_DIM: tl.constexpr,
-                         NUM_ROPE_HEADS: tl.constexpr, USE_PDL: tl.constexpr,
-                         PRELOAD: tl.constexpr):
-    """The FMA kernel for one token with the weight in registers twice over: each step
-    issues the next tile's loads before it multiplies the current one, so a program keeps
-    two tiles in flight (the FMA loop is not software-pipelined: nothing of it goes
-    through shared memory). The step past the last tile loads nothing (all masked)."""
+def _fma_buffered(x_ptr, w_a, w_b, norm_w_ptr, bias_ptr, residual_ptr, out_ptr,
+                  positions_ptr, cos_sin_ptr, rows_a, rows_b, row_mask, head, dims,
+                  stride_r, stride_o, stride_cs, eps, K: tl.constexpr, BLOCK_K: tl.constexpr,
+                  DEPTH: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_NORM: tl.constexpr,
+                  EPILOGUE: tl.constexpr, HEAD_DIM: tl.constexpr,
+                  NUM_ROPE_HEADS: tl.constexpr, USE_PDL: tl.constexpr, PRELOAD: tl.constexpr):
+    """The FMA kernel for one token with DEPTH (2 or 3) weight tiles in registers: each
+    step issues the loads of tile k + DEPTH - 1 before it multiplies tile k, so a program
+    keeps DEPTH tiles in flight (the FMA loop is not software-pipelined: nothing of it goes
+    through shared memory). Steps past the last tile load nothing (all masked)."""
     PAIRED: tl.constexpr = EPILOGUE >= 2
     BLOCK_N: tl.constexpr = rows_a.shape[0]
     if USE_PDL and not PRELOAD:
         pdl_wait_and_release()
-    cols = tl.arange(0, BLOCK_K)
-    col_mask = cols < K
-    wa = _weight_tile(w_a, cols, row_mask, col_mask)
-    wb = wa
-    if PAIRED:
-        wb = _weight_tile(w_b, cols, row_mask, col_mask)
+    wa, wb = _weight_tiles(w_a, w_b, 0, row_mask, K, BLOCK_K, PAIRED)
     if USE_PDL and PRELOAD:
         pdl_wait_and_release()
+    wa1, wb1 = wa, wb  # DEPTH 3: tile 1 (loaded after the wait: one tile crosses it)
+    if DEPTH == 3:
+        wa1, wb1 = _weight_tiles(w_a, w_b, BLOCK_K, row_mask, K, BLOCK_K, PAIRED)
     acc_a = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     acc_b = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     sum_sq = tl.zeros([BLOCK_K], dtype=tl.float32)
-    for k0 in range(BLOCK_K, K + BLOCK_K, BLOCK_K):
-        next_cols = k0 + tl.arange(0, BLOCK_K)
-        next_mask = next_cols < K
-        wa_next = _weight_tile(w_a, next_cols, row_mask, next_mask)
-        wb_next = wa_next
-        if PAIRED:
-            wb_next = _weight_tile(w_b, next_cols, row_mask, next_mask)
-        x, sum_sq = _x_tile_fma(x_ptr, norm_w_ptr, cols, col_mask, sum_sq, HAS_NORM)
+    AHEAD: tl.constexpr = (DEPTH - 1) * BLOCK_K
+    for k0 in range(AHEAD, K + AHEAD, BLOCK_K):
+        wa_next, wb_next = _weight_tiles(w_a, w_b, k0, row_mask, K, BLOCK_K, PAIRED)
+        cols = k0 - AHEAD + tl.arange(0, BLOCK_K)
+        x, sum_sq = _x_tile_fma(x_ptr, norm_w_ptr, cols, cols < K, sum_sq, HAS_NORM)
         acc_a += wa.to(tl.float32) * x[None, :]
         if PAIRED:
             acc_b += wb.to(tl.float32) * x[None, :]
-        wa, wb, cols, col_mask = wa_next, wb_next, next_cols, next_mask
+        if DEPTH == 3:
+            wa, wb, wa1, wb1 = wa1, wb1, wa_next, wb_next
+        else:
+            wa, wb = wa_next, wb_next
     y_a = tl.sum(acc_a, axis=1)
     y_b = tl.sum(acc_b, axis=1)
     if HAS_NORM:
@@ -299,6 +295,19 @@ def _fma_double_buffered(x_ptr, w_a, w_b, norm_w_ptr, bias_ptr, residual_ptr, ou
     _epilogue(y_a, y_b, 0, rows_a, rows_b, row_mask, head, dims,
               bias_ptr, residual_ptr, out_ptr, positions_ptr, cos_sin_ptr,
               stride_r, stride_o, stride_cs, HAS_BIAS, EPILOGUE, HEAD_DIM, NUM_ROPE_HEADS)
+
+
+@triton.jit
+def _weight_tiles(w_a, w_b, k0, row_mask, K: tl.constexpr, BLOCK_K: tl.constexpr,
+                  PAIRED: tl.constexpr):
+    """Columns [k0, k0 + BLOCK_K) of the program's rows (wb is wa when not PAIRED)."""
+    cols = k0 + tl.arange(0, BLOCK_K)
+    col_mask = cols < K
+    wa = _weight_tile(w_a, cols, row_mask, col_mask)
+    wb = wa
+    if PAIRED:
+        wb = _weight_tile(w_b, cols, row_mask, col_mask)
+    return wa, wb
 
 
 @triton.jit
@@ -411,7 +420,9 @@ def gemv(
         return out
     key = config_key(epilogue, norm_weight is not None, rows, k, num_tokens, x.dtype)
     block_n, block_k, num_warps, num_stages, kernel, preload = _config_for(x, key, config)
-    use_dot, double_buffer = kernel == 1, kernel == 2 and num_tokens == 1
+    use_dot = kernel == 1
+    # kernels 2 and 3: that many weight tiles in flight, one token row only
+    fma_depth = kernel if kernel in (2, 3) and num_tokens == 1 else 0
     if use_dot:
         block_n = max(block_n, 16)  # tl.dot's smallest tile
     if epilogue == "rope":
@@ -439,7 +450,7 @@ def gemv(
         0 if cos_sin_cache is None else cos_sin_cache.stride(0),
         eps,
         K=k, M=num_tokens, BLOCK_N=block_n, BLOCK_K=block_k, USE_DOT=use_dot,
-        DOUBLE_BUFFER=double_buffer, PRELOAD=bool(preload),
+        FMA_DEPTH=fma_depth, PRELOAD=bool(preload),
         BLOCK_M=max(16, triton.next_power_of_2(num_tokens)), IEEE=x.dtype == torch.float32,
         HAS_BIAS=bias is not None, HAS_NORM=norm_weight is not None,
         EPILOGUE=_EPILOGUES[epilogue], HEAD_DIM=head_dim, NUM_ROPE_HEADS=num_rope_heads,

@@ -46,10 +46,12 @@ def _rope_ref(qkv, positions, cos_sin, num_heads, num_kv_heads, head_dim):
     return torch.cat([q.reshape(m, -1), k.reshape(m, -1), v], dim=-1)
 
 
-# (BLOCK_N, BLOCK_K, warps, stages, kernel[, preload]): partial row/col tiles, all three
-# kernels (0 FMA, 1 dot, 2 double-buffered FMA: one token row, more rows fall back to 0)
+# (BLOCK_N, BLOCK_K, warps, stages, kernel[, preload]): partial row/col tiles, all four
+# kernels (0 FMA, 1 dot, 2 and 3 double- and triple-buffered FMA: one token row, more rows
+# fall back to 0)
 CONFIGS_SMALL = [(8, 128, 4, 2, 0), (4, 64, 2, 3, 0), (16, 512, 4, 2, 0), (16, 64, 4, 2, 1),
-                 (32, 128, 4, 2, 1), (8, 64, 4, 1, 2), (4, 128, 2, 1, 2), (16, 64, 4, 2, 1, 0)]
+                 (32, 128, 4, 2, 1), (8, 64, 4, 1, 2), (4, 128, 2, 1, 2), (16, 64, 4, 2, 1, 0),
+                 (8, 64, 4, 1, 3)]
 
 
 @pytest.mark.parametrize("m", [1, 3, 17])
@@ -103,10 +105,12 @@ def test_rope_epilogue_matches_transformers(head_dim, config):
     assert not torch.allclose(got, qkv, atol=1e-3)  # the rotation did something
 
 
-@pytest.mark.parametrize("config", [(8, 64, 4, 1, 2), (4, 128, 4, 1, 2), (16, 32, 2, 1, 2)])
-def test_double_buffered_fma_one_token(config):
-    """Kernel 2 (one token row) against independent oracles for every epilogue, on a K
-    that leaves a partial last tile (so the step past the end loads nothing)."""
+@pytest.mark.parametrize("config", [(8, 64, 4, 1, 2), (4, 128, 4, 1, 2), (16, 32, 2, 1, 2),
+                                    (8, 64, 4, 1, 3), (4, 32, 4, 1, 3, 0), (16, 128, 2, 1, 3)])
+def test_buffered_fma_one_token(config):
+    """Kernels 2 and 3 (one token row) against independent oracles for every epilogue, on
+    a K that leaves a partial last tile (so the steps past the end load nothing); with
+    BLOCK_K 128 kernel 3's second tile is already past K."""
     k, eps, head_dim, num_heads, num_kv_heads = 300, 1e-5, 16, 4, 2
     x, g = _randn(1, k, seed=20, scale=2.0), 1.0 + 0.2 * _randn(k, seed=21)
     w, r = _randn(70, k, seed=22, scale=0.1), _randn(1, 70, seed=23)
@@ -236,7 +240,7 @@ def test_config_table_is_well_formed():
     table = gemv._config_table("NVIDIA H200")
     for key, cfg in table.items():
         assert len(cfg) in (5, 6) and cfg[0] >= 1 and cfg[1] >= 16, (key, cfg)
-        assert cfg[4] in (0, 1, 2) and (len(cfg) == 5 or cfg[5] in (0, 1)), (key, cfg)
+        assert cfg[4] in (0, 1, 2, 3) and (len(cfg) == 5 or cfg[5] in (0, 1)), (key, cfg)
         assert cfg[4] != 1 or cfg[0] >= 16, (key, cfg)  # tl.dot's smallest tile
     bf16 = torch.bfloat16
     for key in [gemv.config_key("rope", True, 6144, 4096, 1, bf16),
