@@ -58,8 +58,6 @@ def make_engine(model: str, runner: str, eager: bool, max_num_seqs: int, sizes: 
       wait always / never (default: preload_first_tile's rule);
     - "attnminN" / "attntileN", N an integer: the decode attention's MIN_TILES_PER_SPLIT /
       SINGLE_QUERY_TILE_N;
-    - "nojoin": the decode attention's KV splits merged by reduce_splits_kernel after it,
-      not by its own last split (decode_attention.JOIN_SPLITS);
     - "prevgemv": llama's four layer GEMVs with the configs of the table before
       bench_gemv_variants (PREVIOUS_LLAMA_GEMV);
     - "noattn" (a diagnostic, its tokens are wrong): every attention layer returns its q
@@ -71,11 +69,10 @@ def make_engine(model: str, runner: str, eager: bool, max_num_seqs: int, sizes: 
     modes = set(mode.split("+")) - {""}
     numbered = {m: int(g[1]) for m in modes if (g := re.fullmatch(r"attn(?:min|tile)(\d+)", m))}
     unknown = (modes - {"async", "cublas", "nopdl", "nofusedkv", "fusedkv", "preload",
-                        "nopreload", "noattn", "prevgemv", "nojoin"} - set(numbered))
+                        "nopreload", "noattn", "prevgemv"} - set(numbered))
     if unknown:
         raise ValueError(f"bench_decode --rows: unknown mode(s) {sorted(unknown)} in {runner}-{mode}")
     gemv.ENABLED = "cublas" not in modes
-    decode_attention.JOIN_SPLITS = "nojoin" not in modes
     if "prevgemv" in modes:
         gemv.CONFIG_OVERRIDES.update(PREVIOUS_LLAMA_GEMV)
     if "noattn" in modes:
@@ -110,7 +107,6 @@ def reset_switches() -> None:
     triton_backend.FUSED_DECODE_KV_WRITE = "auto"
     attention.MIN_TILES_PER_SPLIT, attention.SINGLE_QUERY_TILE_N = _ATTENTION_DEFAULTS
     decode_attention.PRELOAD_FIRST_TILE = None
-    decode_attention.JOIN_SPLITS = True
 
 
 def free(engine: LLMEngine) -> None:
@@ -168,8 +164,6 @@ def llama_batch1(bw: float, steps: int, rows: list[str], repeats: int) -> dict:
         result["tokens_identical"] = ref == tokens["v2"] and ref.keys() == late.keys() and all(
             ref[r][: len(late[r])] == late[r] and len(ref[r]) - len(late[r]) <= 1 for r in ref
         )
-    if {"v1", "v1-nojoin"} <= tokens.keys():  # bf16, other summation order: reported only
-        result["tokens_same_as_nojoin"] = tokens["v1-nojoin"] == tokens["v1"]
     if {"v1", "v1-prevgemv"} <= tokens.keys():  # bf16, other summation order: reported only
         result["tokens_same_as_prevgemv"] = tokens["v1-prevgemv"] == tokens["v1"]
     if {"v1", "v1-cublas"} <= tokens.keys():

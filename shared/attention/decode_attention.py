@@ -27,11 +27,7 @@ from __future__ import annotations
 import torch
 
 from shared.attention import triton_unified_attention as unified
-from shared.attention.unified_attention_kernels import (
-    attend_kv_tiles,
-    split_tile_range,
-    tiles_per_split,
-)
+from shared.attention.unified_attention_kernels import attend_kv_tiles, split_tile_range
 from shared.triton_utils import next_power_of_2, pdl_launch, pdl_wait_and_release, tl, triton
 
 
@@ -79,7 +75,6 @@ def decode_attention_kernel(
     query_start_loc_ptr,  # int32 [R + 1]
     slot_mapping_ptr,  # int64 [>= T]; negative: the token is not written
     part_out_ptr, part_max_ptr, part_sum_ptr,  # as paged_attention_kernel's
-    split_count_ptr,  # int32 [>= R * Hkv], zero between launches; read when JOIN_SPLITS
     qk_scale,  # softmax scale * log2(e)
     num_reqs,
     stride_ot, stride_oh, stride_od,
@@ -95,7 +90,6 @@ def decode_attention_kernel(
     NUM_SPLITS: tl.constexpr, MIN_TILES_PER_SPLIT: tl.constexpr,
     DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
     PRELOAD: tl.constexpr,  # the first tile in registers before the PDL wait (see preload)
-    JOIN_SPLITS: tl.constexpr = False,  # the last split of a (row, KV head) merges them
     USE_PDL: tl.constexpr = False,  # launched with programmatic dependent launch (sm_90+)
 ):
     req = tl.program_id(0)
@@ -180,47 +174,6 @@ def decode_attention_kernel(
         tl.store(part_out_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=out_mask)
         tl.store(part_max_ptr + part, m_i, mask=row_valid)
         tl.store(part_sum_ptr + part, l_i, mask=row_valid)
-        if JOIN_SPLITS:
-            num_used = tl.cdiv(num_tiles, tiles_per_split(num_tiles, NUM_SPLITS, MIN_TILES_PER_SPLIT))
-            _join_splits(output_ptr, part_out_ptr, part_max_ptr, part_sum_ptr,
-                         split_count_ptr + req * tl.num_programs(1) + kv_head, num_used,
-                         (req.to(tl.int64) * num_heads + head) * NUM_SPLITS, token, head,
-                         row_valid, stride_ot, stride_oh, stride_od, HEAD_DIM, BLOCK_D)
-
-
-@triton.jit
-def _join_splits(output_ptr, part_out_ptr, part_max_ptr, part_sum_ptr, count_ptr, num_used,
-                 part0, token, head, row_valid, stride_ot, stride_oh, stride_od,
-                 HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
-    """After a split has stored its partials: count it in; the split that comes last
-    merges the (row, KV head)'s partials into the output rows, as reduce_splits_kernel
-    would, and zeroes the count for the next launch. One kernel boundary fewer on the
-    decode critical path. Splits are merged in split order, so the result does not depend
-    on which comes last. part0 [BLOCK_M]: each query row's split-0 partial index."""
-    # Every thread's partial stores, then one release; the last split acquires them all.
-    tl.debug_barrier()
-    if tl.atomic_add(count_ptr, 1, sem="acq_rel", scope="gpu") == num_used - 1:
-        tl.atomic_xchg(count_ptr, 0)
-        offs_d = tl.arange(0, BLOCK_D)
-        mask = row_valid[:, None] & (offs_d < HEAD_DIM)[None, :]
-        # .cg: from L2, where the other splits' stores are (L1 is per SM)
-        m_max = tl.load(part_max_ptr + part0, mask=row_valid, other=0.0, cache_modifier=".cg")
-        for s in range(1, num_used):
-            m_max = tl.maximum(m_max, tl.load(part_max_ptr + part0 + s, mask=row_valid,
-                                              other=0.0, cache_modifier=".cg"))
-        denom = tl.zeros_like(m_max)
-        out = tl.zeros([part0.shape[0], BLOCK_D], dtype=m_max.dtype)
-        for s in range(num_used):
-            w = tl.math.exp2(tl.load(part_max_ptr + part0 + s, mask=row_valid, other=0.0,
-                                     cache_modifier=".cg") - m_max)
-            denom += w * tl.load(part_sum_ptr + part0 + s, mask=row_valid, other=1.0,
-                                 cache_modifier=".cg")
-            out += w[:, None] * tl.load(part_out_ptr + (part0 + s)[:, None] * HEAD_DIM
-                                        + offs_d[None, :], mask=mask, other=0.0,
-                                        cache_modifier=".cg")
-        tl.store(output_ptr + token * stride_ot + head[:, None] * stride_oh
-                 + offs_d[None, :] * stride_od,
-                 (out / denom[:, None]).to(output_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -270,22 +223,6 @@ def _write_and_attend_new_kv(
 
 # None: preload_first_tile's rule; True / False force it (benchmarks).
 PRELOAD_FIRST_TILE: bool | None = None
-# Merge the KV splits in the attention kernel (its last split per row and KV head), not in
-# reduce_splits_kernel after it. Module switch: benchmarks flip it.
-JOIN_SPLITS = True
-# Split counters per device: allocated once, never reallocated (a captured graph keeps the
-# pointer), and left at zero by every launch.
-_MAX_JOIN_COUNTERS = 1 << 16
-_SPLIT_COUNTS: dict[torch.device, torch.Tensor] = {}
-
-
-def _split_counts(device: torch.device) -> torch.Tensor:
-    if device not in _SPLIT_COUNTS:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("decode_attention: the split counters must be allocated by "
-                               "an eager call before CUDA-graph capture (warm up first)")
-        _SPLIT_COUNTS[device] = torch.zeros(_MAX_JOIN_COUNTERS, dtype=torch.int32, device=device)
-    return _SPLIT_COUNTS[device]
 
 
 def preload_first_tile(num_splits: int) -> bool:
@@ -311,8 +248,7 @@ def decode_attention(
     num_splits: int,
 ) -> None:
     """write_kv + paged_attention for a batch whose rows all have query length <= 1, in
-    one kernel (with JOIN_SPLITS, the split merge too; else + the split reduction). Grids
-    depend only on R and num_splits."""
+    one kernel (+ the split reduction). Grids depend only on R and num_splits."""
     num_tokens, num_heads, head_dim = query.shape
     num_kv_heads = key.shape[1]
     num_reqs = seq_lens.shape[0]
@@ -327,20 +263,16 @@ def decode_attention(
     cfg = unified.single_query_config(group, block_d, query.element_size() >= 4)
     dot_dtype = unified.dot_dtype_for(query.dtype)
     partials = unified.split_partials(query, num_reqs, num_splits)
-    join = JOIN_SPLITS and num_splits > 1 and num_reqs * num_kv_heads <= _MAX_JOIN_COUNTERS
-    counts = _split_counts(query.device) if join else seq_lens
     decode_attention_kernel[(num_reqs, num_kv_heads, num_splits)](
         output, query, key, value, key_cache, value_cache, block_table, seq_lens,
-        query_start_loc, slot_mapping, *partials, counts, scale * unified.LOG2E, num_reqs,
+        query_start_loc, slot_mapping, *partials, scale * unified.LOG2E, num_reqs,
         *output.stride(), *query.stride(), *key.stride(), *value.stride(),
         *key_cache.stride(), *value_cache.stride(), block_table.stride(0),
         GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=cfg.block_m,
         TILE_N=cfg.tile_n, KV_BLOCK_SIZE=key_cache.shape[1], NUM_SPLITS=num_splits,
         MIN_TILES_PER_SPLIT=unified.MIN_TILES_PER_SPLIT, DOT_DTYPE=dot_dtype,
         DOT_PRECISION=unified.dot_precision_for(dot_dtype),
-        PRELOAD=preload_first_tile(num_splits), JOIN_SPLITS=join,
+        PRELOAD=preload_first_tile(num_splits),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(query),
     )
-    if not join:
-        unified.reduce_splits(output, partials, seq_lens, query_start_loc, cfg.tile_n,
-                              num_splits)
+    unified.reduce_splits(output, partials, seq_lens, query_start_loc, cfg.tile_n, num_splits)

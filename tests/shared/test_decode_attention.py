@@ -10,7 +10,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from shared.attention import decode_attention as decode_attention_module
 from shared.attention import triton_backend
 from shared.attention import triton_unified_attention as unified
 from shared.attention.decode_attention import decode_attention
@@ -48,13 +47,10 @@ def _fused(batch, key, value, num_heads, head_dim, num_splits):
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.float16, 3e-3)])
 @pytest.mark.parametrize("num_splits", [1, 3, 8])
-@pytest.mark.parametrize("join", [True, False])
-def test_fused_decode_matches_write_then_attend(dtype, tol, num_splits, join, monkeypatch):
+def test_fused_decode_matches_write_then_attend(dtype, tol, num_splits):
     # Contexts: long (several splits), one block + 1 (new position alone on a tile
     # boundary for 16-key tiles), a 1-token prompt (no cached key at all), exactly one
-    # 64-key tile, 65; plus padded rows and padded tokens. join: the splits merged by the
-    # attention kernel's last split (its counters back at zero after), or by the reduce.
-    monkeypatch.setattr(decode_attention_module, "JOIN_SPLITS", join)
+    # 64-key tile, 65; plus padded rows and padded tokens.
     num_heads, num_kv_heads, head_dim = 8, 2, 32
     seq_lens = [300, 17, 1, 64, 65]
     batch = make_batch([1] * len(seq_lens), seq_lens, num_heads, num_kv_heads, head_dim, 16,
@@ -66,8 +62,6 @@ def test_fused_decode_matches_write_then_attend(dtype, tol, num_splits, join, mo
     torch.testing.assert_close(got[:n].double(), want[:n].double(), atol=tol, rtol=tol)
     assert got[n:].isnan().all(), "a padded token's output row was written"
     assert torch.equal(got_k, want_k) and torch.equal(got_v, want_v)
-    if join and num_splits > 1:
-        assert not decode_attention_module._split_counts(got.device).any()
 
 
 @pytest.mark.parametrize("tile_n,min_tiles", [(16, 1), (32, 2)])
