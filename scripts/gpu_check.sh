@@ -2,11 +2,12 @@
 # The GPU machine's one entry point: install what the image lacks from carried wheels,
 # run the gpu-marked tests, run the benchmarks, write everything under $OUT.
 #
-#   scripts/gpu_check.sh [gemv|tests|attention|decode|profile|ab|ab_async|hf|all]...
+#   scripts/gpu_check.sh [gemv|tune|tests|attention|decode|profile|ab|ab_async|hf|all]...
 #
-# Stages run in the order of this file, whatever the order of the arguments: gemv comes
-# first because it tunes the GEMV launch table (shared/model/gemv_configs.json) that the
-# later stages' models read. GEMV_ARGS, DECODE_ARGS and GPU_TESTS pass arguments on.
+# Stages run in the order of this file, whatever the order of the arguments: gemv and tune
+# come first because they write the GEMV launch table (shared/model/gemv_configs.json)
+# that the later stages' models read: gemv per shape, tune llama-3-8b's layer GEMVs inside
+# the decode step. GEMV_ARGS, TUNE_ARGS, DECODE_ARGS and GPU_TESTS pass arguments on.
 #
 # Run through the device tool from the repository root, carrying `.whl`:
 #   python3 -m pip download ... -d .whl pydantic==2.14.4 pydantic-core==2.50.5 \
@@ -33,6 +34,12 @@ status=0
 if want gemv; then
   python3 scripts/bench_gemv.py --out "$OUT/gemv.json" \
     --configs-out shared/model/gemv_configs.json ${GEMV_ARGS:-} 2>&1 | tee "$OUT/gemv.log"
+  cp shared/model/gemv_configs.json "$OUT/gemv_configs.json"
+fi
+if want tune; then
+  python3 scripts/tune_gemv_in_step.py --out "$OUT/tune.json" \
+    --configs-out shared/model/gemv_configs.json ${TUNE_ARGS:-} 2>&1 | grep -v "^INFO" \
+    | tee "$OUT/tune.log"
   cp shared/model/gemv_configs.json "$OUT/gemv_configs.json"
 fi
 if want tests; then

@@ -66,8 +66,8 @@ def main() -> int:
     p.add_argument("--out", type=Path, default=None)
     p.add_argument("--configs-out", type=Path, default=None)
     p.add_argument("--rounds", type=int, default=1)
-    p.add_argument("--only", default="", help="comma-separated candidate lists to walk: "
-                   "'fma3' (kernel 3 and the LM head's) or all (default)")
+    p.add_argument("--only", default="", choices=["", "fma3"],
+                   help="'fma3': only the kernel-3 candidates and the LM head's (default: all)")
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--margin", type=float, default=0.004, help="ms a candidate must win by")
     p.add_argument("--confirm", type=int, default=3)
