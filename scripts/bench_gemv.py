@@ -158,6 +158,14 @@ def bench_shape(name, rows, k, epilogue, has_norm, head_dim, rope_heads, m, bw, 
     return row
 
 
+def merge_configs(path: Path, gpu: str, configs: dict[str, list]) -> None:
+    """Write `configs` (config_key -> config) into the launch table at `path` under `gpu`,
+    keeping every other entry and device."""
+    tables = json.loads(path.read_text()) if path.exists() else {}
+    tables.setdefault(gpu, {}).update(configs)
+    path.write_text(json.dumps(tables, indent=1, sort_keys=True) + "\n")
+
+
 def check_on_cpu() -> None:
     torch.manual_seed(0)
     x, w = torch.randn(1, 300), torch.randn(37, 300)
@@ -186,10 +194,7 @@ def main() -> int:
         rows.append(bench_shape(*shape, 1, bw))
         torch.cuda.empty_cache()  # the last shape's weight copies
     if args.configs_out:  # now, not at the end: a run cut short keeps its tuned table
-        # Merged into the file: other devices' tables stay.
-        tables = json.loads(args.configs_out.read_text()) if args.configs_out.exists() else {}
-        tables[gpu] = {r["key"]: r["fused"]["config"] for r in rows}
-        args.configs_out.write_text(json.dumps(tables, indent=1, sort_keys=True) + "\n")
+        merge_configs(args.configs_out, gpu, {r["key"]: r["fused"]["config"] for r in rows})
     if args.token_rows:
         # More token rows, tensor-core kernel with the best M=1 dot config: where the GEMV
         # path stops paying against cuBLAS (MAX_TOKENS).

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_gemv import SHAPES, Case, timed  # noqa: E402
+from bench_gemv import SHAPES, Case, merge_configs, timed  # noqa: E402
 
 from shared.bench.measure import graph_time_ms, measure_read_bandwidth  # noqa: E402
 from shared.model import gemv  # noqa: E402
@@ -115,9 +115,7 @@ def main() -> int:
     for r in results:
         del r["case"]
     if args.configs_out and chain["fastest"]["per_layer_ms"] < chain["table"]["per_layer_ms"]:
-        tables = json.loads(args.configs_out.read_text()) if args.configs_out.exists() else {}
-        tables.setdefault(gpu, {}).update({r["key"]: r["variants"][0]["config"] for r in results})
-        args.configs_out.write_text(json.dumps(tables, indent=1, sort_keys=True) + "\n")
+        merge_configs(args.configs_out, gpu, {r["key"]: r["variants"][0]["config"] for r in results})
     report = {"command": "python3 scripts/bench_gemv_variants.py " + " ".join(sys.argv[1:]),
               "gpu": gpu, "read_bandwidth_GBps": bw, "shapes": results, "layer_chain": chain}
     if args.out:

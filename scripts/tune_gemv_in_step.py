@@ -27,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_decode import free, make_engine, reset_switches  # noqa: E402
+from bench_gemv import merge_configs  # noqa: E402
 
 from shared.bench.measure import measure_read_bandwidth, run_decode  # noqa: E402
 from shared.model import gemv  # noqa: E402
@@ -97,9 +98,7 @@ def main() -> int:
     table_ms, tuned_ms = (statistics.median(confirm[k]) for k in ("table", "tuned"))
     print(f"table {table_ms:.4f} ms, tuned {tuned_ms:.4f} ms: {best}", flush=True)
     if args.configs_out and tuned_ms < table_ms - args.margin:
-        tables = json.loads(args.configs_out.read_text()) if args.configs_out.exists() else {}
-        tables.setdefault(gpu, {}).update({k: list(v) for k, v in best.items()})
-        args.configs_out.write_text(json.dumps(tables, indent=1, sort_keys=True) + "\n")
+        merge_configs(args.configs_out, gpu, {k: list(v) for k, v in best.items()})
         print(f"wrote {args.configs_out}", flush=True)
     report = {"command": "python3 scripts/tune_gemv_in_step.py " + " ".join(sys.argv[1:]),
               "gpu": gpu, "read_bandwidth_GBps": bw, "table": {k: list(v) for k, v in start.items()},
