@@ -199,6 +199,12 @@ def _gemv_kernel(
 
 
 @functools.cache
+def _device_name(index: int) -> str:
+    """Cached: the launcher asks on every eager launch, and the name never changes."""
+    return torch.cuda.get_device_name(index)
+
+
+@functools.cache
 def _config_table(device_name: str) -> dict[str, list[int]]:
     if not _CONFIG_FILE.exists():
         return {}
@@ -219,7 +225,8 @@ def _config_for(x: torch.Tensor, key: str, override) -> tuple[int, int, int, int
     elif not x.is_cuda:
         config = _DEFAULT_CONFIG
     else:
-        config = tuple(_config_table(torch.cuda.get_device_name(x.device)).get(key, _DEFAULT_CONFIG))
+        table = _config_table(_device_name(x.device.index or 0))
+        config = tuple(table.get(key, _DEFAULT_CONFIG))
     config = config + (0,) * (5 - len(config))  # 4-tuples: the FMA kernel
     return config + (1,) * (6 - len(config))  # preload by default
 
