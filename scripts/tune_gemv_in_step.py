@@ -1,4 +1,5 @@
-"""Tune llama-3-8b's four layer-GEMV launch configs inside the decode step they run in.
+"""Tune llama-3-8b's batch-1 GEMV launch configs (the four per layer and the LM head's)
+inside the decode step they run in.
 
 bench_gemv times each shape alone and bench_gemv_variants the four in a chain; neither
 has the attention kernels, the norms and the LM head around them, and a config that wins
@@ -8,7 +9,8 @@ batch 1, context 1024, FULL graphs) with gemv.CONFIG_OVERRIDES set, timed by the
 of its decode forward (median over the steps). Coordinate descent from the current table:
 one shape at a time, each candidate of CANDIDATES, keep one only if it beats the best so
 far by more than --margin ms; then the table and the tuned configs side by side, in
-alternating order, --confirm times each.
+alternating order, --confirm times each. One round walks ~130 engines, ~5 minutes on
+the H200.
 
   python3 scripts/tune_gemv_in_step.py --out tune.json [--configs-out FILE] [--rounds N]
 """

@@ -30,11 +30,12 @@ GEMV ride along in its prologue or epilogue:
 
 Each kernel is one launch whose grid depends only on the weight shape and the token count,
 and nothing is read back to the host: CUDA-graph capturable. The launch configuration per
-(device, variant, shape) comes from gemv_configs.json, written by scripts/bench_gemv.py
-(each shape alone) and scripts/bench_gemv_variants.py (llama-3-8b's four layer GEMVs in a
-chain) on that device: measured, not guessed; shapes it lacks get a default. A config is
-(BLOCK_N, BLOCK_K, num_warps, num_stages[, kernel[, preload]]), kernel 0 by default and
-preload 1.
+(device, variant, shape) comes from gemv_configs.json, written on that device by
+scripts/bench_gemv.py (each shape alone), then for llama-3-8b's four layer GEMVs by
+scripts/tune_gemv_in_step.py (inside the decode step; bench_gemv_variants.py, which times
+them in a chain, can write too): measured, not guessed; shapes it lacks get a default.
+A config is (BLOCK_N, BLOCK_K, num_warps, num_stages[, kernel[, preload]]), kernel 0 by
+default and preload 1.
 """
 
 from __future__ import annotations
@@ -68,7 +69,7 @@ ENABLED = True
 
 _EPILOGUES = {"none": 0, "residual": 1, "silu": 2, "rope": 3}
 _CONFIG_FILE = Path(__file__).with_name("gemv_configs.json")
-# (BLOCK_N, BLOCK_K, num_warps, num_stages, use_dot) when the table has no entry
+# (BLOCK_N, BLOCK_K, num_warps, num_stages, kernel) when the table has no entry
 _DEFAULT_CONFIG = (16, 512, 4, 3, 0)
 # Benchmarks set entries (config_key -> config) to run a shape with another config than
 # the table's, e.g. the table a result was measured with before.

@@ -140,14 +140,10 @@ def first_weights_then_wait(w_a, w_b, row_mask, K: tl.constexpr, BLOCK_K: tl.con
     """Under PDL: the first K tile of the weights (they never depend on the kernel before),
     then the wait for that kernel's output. Returns the tile's columns, their mask and the
     weight tiles (wb is wa when not PAIRED)."""
-    cols = tl.arange(0, BLOCK_K)
-    col_mask = cols < K
-    wa = weight_tile(w_a, cols, row_mask, col_mask)
-    wb = wa
-    if PAIRED:
-        wb = weight_tile(w_b, cols, row_mask, col_mask)
+    wa, wb = weight_tiles(w_a, w_b, 0, row_mask, K, BLOCK_K, PAIRED)
     pdl_wait_and_release()
-    return cols, col_mask, wa, wb
+    cols = tl.arange(0, BLOCK_K)
+    return cols, cols < K, wa, wb
 
 
 @triton.jit
