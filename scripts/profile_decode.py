@@ -8,8 +8,11 @@ unless --eager), the top GPU kernels by device time and the top CPU ops by self 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
+import tempfile
+from collections import defaultdict
 
 import torch
 
@@ -50,10 +53,29 @@ def main() -> int:
         torch.cuda.synchronize()
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=60))
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=60))
-    if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        prof.export_chrome_trace(os.path.join(args.out, f"trace_{args.model}_{args.runner}_b{args.batch}.json"))
+    out_dir = args.out or tempfile.mkdtemp()
+    os.makedirs(out_dir, exist_ok=True)
+    trace = os.path.join(out_dir, f"trace_{args.model}_{args.runner}_b{args.batch}.json")
+    prof.export_chrome_trace(trace)
+    print_kernels_by_grid(trace, steps=5)
     return 0
+
+
+def print_kernels_by_grid(trace_path: str, steps: int) -> None:
+    """GPU kernels grouped by (name, grid), per step: the aggregate table above lumps
+    every GEMV shape into one row, and a kernel's grid tells the shapes apart."""
+    with open(trace_path) as f:
+        events = json.load(f)["traceEvents"]
+    groups: dict[tuple[str, str], list[float]] = defaultdict(list)
+    for e in events:
+        if e.get("cat") == "kernel" and "dur" in e:
+            groups[(e["name"][:48], str(e.get("args", {}).get("grid")))].append(e["dur"])
+    total = sum(sum(v) for v in groups.values())
+    print(f"\nkernels by (name, grid), per step of {steps}; all kernels {total / steps:.1f} us")
+    print(f"{'kernel':48} {'grid':>18} {'calls':>6} {'us/step':>9} {'us/call':>8}")
+    for (name, grid), durs in sorted(groups.items(), key=lambda kv: -sum(kv[1])):
+        print(f"{name:48} {grid:>18} {len(durs) / steps:6.0f} {sum(durs) / steps:9.1f} "
+              f"{sum(durs) / len(durs):8.2f}")
 
 
 if __name__ == "__main__":

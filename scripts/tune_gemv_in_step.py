@@ -6,9 +6,10 @@ has the attention kernels, the norms and the LM head around them, and a config t
 there can lose in the step (the chain predicted 5 us per layer for the variants table, the
 step gave 1.6). Here each candidate is a whole V1 engine (llama-3-8b, dummy bf16 weights,
 batch 1, context 1024, FULL graphs) with gemv.CONFIG_OVERRIDES set, timed by the GPU time
-of its decode forward (median over the steps). Coordinate descent from the current table:
-one shape at a time, each candidate of CANDIDATES, keep one only if it beats the best so
-far by more than --margin ms; then the table and the tuned configs side by side, in
+of its decode step, forward + LM head + sampler (median over the steps; the runs before
+2026-11-30's fifth session timed the forward alone, which leaves the LM head out).
+Coordinate descent from the current table: one shape at a time, each candidate of
+CANDIDATES, keep one only if it beats the best so far by more than --margin ms; then the table and the tuned configs side by side, in
 alternating order, --confirm times each. One round walks ~130 engines, ~5 minutes on
 the H200.
 
@@ -39,27 +40,43 @@ from shared.model import gemv  # noqa: E402
 # other kernels' best few from h200_gemv_variants and the tables before.
 _FMA2 = [(n, k, w, 1, 2, 1) for n in (4, 8, 16) for k in (128, 256, 512) for w in (4, 8)]
 _FMA3 = [(n, k, w, 1, 3, 1) for n in (4, 8, 16) for k in (128, 256) for w in (4, 8)]
+# the dot kernel with a cp.async pipeline of 3-5 stages, as the LM head's config (which
+# streams at the read bandwidth), in row tiles small enough for many programs
+_DOT = [(n, k, 4, s, 1, 1) for n in (16, 32) for k in (64, 128, 256) for s in (3, 4, 5)]
+_DOT += [(16, 128, 8, 4, 1, 1), (32, 128, 8, 4, 1, 1), (16, 512, 4, 3, 1, 1)]
 CANDIDATES = {
-    "rope+norm:6144x4096:m1:bfloat16": _FMA2 + _FMA3 + [(8, 256, 8, 2, 0, 1)],
-    "residual:4096x4096:m1:bfloat16": _FMA2 + _FMA3 + [(8, 512, 8, 4, 0, 1)],
-    "silu+norm:28672x4096:m1:bfloat16": _FMA2 + _FMA3 + [
+    "rope+norm:6144x4096:m1:bfloat16": _FMA2 + _FMA3 + _DOT + [(8, 256, 8, 2, 0, 1)],
+    "residual:4096x4096:m1:bfloat16": _FMA2 + _FMA3 + _DOT + [(8, 512, 8, 4, 0, 1)],
+    "silu+norm:28672x4096:m1:bfloat16": _FMA2 + _FMA3 + _DOT + [
         (64, 256, 4, 3, 1, 0), (32, 256, 4, 2, 0, 1)],
-    "residual:4096x14336:m1:bfloat16": _FMA2 + _FMA3 + [(32, 512, 4, 5, 1, 1)],
-    "none:128256x4096:m1:bfloat16": [
-        (64, 128, 4, 3, 1, 1), (64, 128, 4, 3, 1, 0), (8, 128, 4, 1, 2, 1), (8, 256, 4, 1, 2, 1),
-        (16, 128, 4, 1, 2, 1), (8, 128, 4, 1, 3, 1), (8, 256, 8, 1, 3, 1)],
+    "residual:4096x14336:m1:bfloat16": _FMA2 + _FMA3 + _DOT + [(32, 512, 4, 5, 1, 1)],
+    # the LM head: only the runs from the fifth session on time it (see the docstring)
+    "none:128256x4096:m1:bfloat16": _FMA2 + [
+        (64, 128, 4, 3, 1, 1), (64, 128, 4, 3, 1, 0), (32, 128, 4, 3, 1, 1),
+        (64, 256, 4, 3, 1, 1), (64, 128, 8, 4, 1, 1), (8, 128, 4, 1, 3, 1), (8, 256, 8, 1, 3, 1)],
+}
+ONLY = {  # --only: a subset of the candidates
+    "fma3": lambda key, cfg: cfg[4] == 3 or key.startswith("none"),
+    "lmhead": lambda key, cfg: key.startswith("none"),
+    "dot": lambda key, cfg: cfg in _DOT,
 }
 
 
 def step_ms(configs: dict[str, tuple], steps: int, log: list) -> float:
-    """Median decode-forward GPU ms of a fresh V1 engine with these GEMV configs."""
+    """Median decode-step GPU ms (forward + LM head + sampler) of a fresh V1 engine with
+    these GEMV configs."""
     gemv.CONFIG_OVERRIDES.update(configs)
-    engine = make_engine("llama-3-8b", "v1", False, 8, [1, 2, 4, 8], 2048, 512)
-    samples, _, _ = run_decode(engine, 1, 1024, warmup=10, steps=steps, tag="t")
+    try:
+        engine = make_engine("llama-3-8b", "v1", False, 8, [1, 2, 4, 8], 2048, 512)
+        samples, _, _ = run_decode(engine, 1, 1024, warmup=10, steps=steps, tag="t")
+        ms = statistics.median(samples.step_gpu_ms)
+    except Exception as e:  # e.g. a tile past the shared memory: the candidate loses
+        print(f"  failed: {type(e).__name__}: {str(e)[:200]}", flush=True)
+        ms = float("inf")
+    engine = None
     free(engine)
     reset_switches()  # clears the overrides
-    ms = statistics.median(samples.forward_gpu_ms)
-    log.append({"configs": {k: list(v) for k, v in configs.items()}, "forward_gpu_ms": ms})
+    log.append({"configs": {k: list(v) for k, v in configs.items()}, "step_gpu_ms": ms})
     print(f"  {ms:.4f} ms  {[list(configs[k]) for k in CANDIDATES]}", flush=True)
     return ms
 
@@ -69,8 +86,9 @@ def main() -> int:
     p.add_argument("--out", type=Path, default=None)
     p.add_argument("--configs-out", type=Path, default=None)
     p.add_argument("--rounds", type=int, default=1)
-    p.add_argument("--only", default="", choices=["", "fma3"],
-                   help="'fma3': only the kernel-3 candidates and the LM head's (default: all)")
+    p.add_argument("--only", default="", choices=["", *ONLY],
+                   help="'fma3': only the kernel-3 candidates and the LM head's; 'lmhead': only "
+                        "the LM head's (default: all)")
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--margin", type=float, default=0.004, help="ms a candidate must win by")
     p.add_argument("--confirm", type=int, default=3)
@@ -85,8 +103,8 @@ def main() -> int:
     best, best_ms = dict(start), step_ms(start, args.steps, log)
     for _ in range(args.rounds):
         for key, cands in CANDIDATES.items():
-            if args.only == "fma3":
-                cands = [c for c in cands if c[4] == 3 or key.startswith("none")]
+            if args.only:
+                cands = [c for c in cands if ONLY[args.only](key, c)]
             for cfg in cands:
                 if cfg == best[key]:
                     continue

@@ -75,6 +75,7 @@ class StepSamples:
     wall_ms: list[float] = field(default_factory=list)
     stage_ms: dict[str, list[float]] = field(default_factory=lambda: {s: [] for s in STAGES})
     forward_gpu_ms: list[float] = field(default_factory=list)
+    step_gpu_ms: list[float] = field(default_factory=list)  # forward + LM head + sampler
     modes: list[str] = field(default_factory=list)
 
     def add(self, engine: LLMEngine, wall_ms: float) -> None:
@@ -85,6 +86,9 @@ class StepSamples:
         gpu = stats.forward_gpu_ms()
         if gpu is not None:
             self.forward_gpu_ms.append(gpu)
+        gpu = stats.step_gpu_ms()
+        if gpu is not None:
+            self.step_gpu_ms.append(gpu)
         self.modes.append(stats.cudagraph_mode)
 
     def summary(self) -> dict:
@@ -97,6 +101,8 @@ class StepSamples:
         out = {"wall_ms": q(self.wall_ms), "stages_ms": {s: q(v) for s, v in self.stage_ms.items()}}
         if self.forward_gpu_ms:
             out["forward_gpu_ms"] = q(self.forward_gpu_ms)
+        if self.step_gpu_ms:
+            out["step_gpu_ms"] = q(self.step_gpu_ms)
         out["cudagraph_modes"] = sorted(set(self.modes))
         return out
 
