@@ -23,28 +23,14 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from shared.bench.measure import graph_time_ms, measure_read_bandwidth  # noqa: E402
+from shared.bench.measure import cuda_times_ms, graph_time_ms, measure_read_bandwidth  # noqa: E402
 from shared.model import gemv  # noqa: E402
-
-
-def event_times_s(fn, reps: int) -> np.ndarray:
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
-    return np.asarray(times)
 
 
 def sum_bandwidth(gib: float, dtype: torch.dtype, reps: int) -> dict:
     x = torch.ones(int(gib * 2**30) // torch.tensor([], dtype=dtype).element_size(),
                    dtype=dtype, device="cuda")
-    t = event_times_s(lambda: x.sum(dtype=torch.float32), reps)
+    t = cuda_times_ms(lambda: x.sum(dtype=torch.float32), reps, warmup=1) / 1e3
     nbytes = x.numel() * x.element_size()
     return {"median_GBps": nbytes / np.median(t) / 1e9, "best_GBps": nbytes / t.min() / 1e9}
 

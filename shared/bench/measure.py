@@ -18,8 +18,8 @@ from shared.sampling_params import SamplingParams
 from shared.step_timing import STAGES
 
 
-def cuda_time_ms(fn, reps: int, warmup: int = 5) -> float:
-    """Median CUDA-event time of `fn` in ms, after `warmup` untimed calls."""
+def cuda_times_ms(fn, reps: int, warmup: int = 5) -> np.ndarray:
+    """CUDA-event times of `reps` calls of `fn` in ms, after `warmup` untimed calls."""
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
@@ -31,7 +31,12 @@ def cuda_time_ms(fn, reps: int, warmup: int = 5) -> float:
         end.record()
         end.synchronize()
         times.append(start.elapsed_time(end))
-    return float(np.median(times))
+    return np.asarray(times)
+
+
+def cuda_time_ms(fn, reps: int, warmup: int = 5) -> float:
+    """Median CUDA-event time of `fn` in ms, after `warmup` untimed calls."""
+    return float(np.median(cuda_times_ms(fn, reps, warmup)))
 
 
 def graph_time_ms(fn, reps: int, calls: int = 10) -> float:
@@ -60,19 +65,10 @@ def measure_read_bandwidth(device: torch.device, gib: float = 16.0, reps: int = 
     total = torch.cuda.get_device_properties(device).total_memory
     n = int(min(gib * 2**30, total / 8)) // 4
     x = torch.ones(n, dtype=torch.float32, device=device)
-    for _ in range(2):
-        x.sum()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        x.sum()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
+    seconds = cuda_time_ms(x.sum, reps, warmup=2) / 1e3
     del x
     torch.cuda.empty_cache()
-    return n * 4 / float(np.median(times))
+    return n * 4 / seconds
 
 
 @dataclass
