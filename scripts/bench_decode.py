@@ -63,9 +63,7 @@ def make_engine(model: str, runner: str, eager: bool, max_num_seqs: int, sizes: 
     - "prevgemv": llama's four layer GEMVs with the configs of the table before
       bench_gemv_variants (PREVIOUS_LLAMA_GEMV);
     - "noattn" (a diagnostic, its tokens are wrong): every attention layer returns its q
-      unchanged, launching nothing, so the row prices the attention's share of the step;
-    - "l2pfo": the decode split reduce pulls o_proj's weight into L2
-      (decode_attention.L2_PREFETCH_NEXT_WEIGHT).
+      unchanged, launching nothing, so the row prices the attention's share of the step.
     E.g. "v1-cublas+nopdl"."""
     from policy import EngineArgs
 
@@ -73,7 +71,7 @@ def make_engine(model: str, runner: str, eager: bool, max_num_seqs: int, sizes: 
     modes = set(mode.split("+")) - {""}
     numbered = {m: int(g[1]) for m in modes if (g := re.fullmatch(r"attn(?:min|tile)(\d+)", m))}
     unknown = (modes - {"async", "cublas", "nopdl", "nofusedkv", "fusedkv", "preload",
-                        "nopreload", "noattn", "prevgemv", "l2pfo"} - set(numbered))
+                        "nopreload", "noattn", "prevgemv"} - set(numbered))
     if unknown:
         raise ValueError(f"bench_decode --rows: unknown mode(s) {sorted(unknown)} in {runner}-{mode}")
     gemv.ENABLED = "cublas" not in modes
@@ -86,7 +84,6 @@ def make_engine(model: str, runner: str, eager: bool, max_num_seqs: int, sizes: 
                                             else "always" if "fusedkv" in modes else "auto")
     decode_attention.PRELOAD_FIRST_TILE = (True if "preload" in modes
                                            else False if "nopreload" in modes else None)
-    decode_attention.L2_PREFETCH_NEXT_WEIGHT = "l2pfo" in modes
     for m, n in numbered.items():
         setattr(attention, "MIN_TILES_PER_SPLIT" if m.startswith("attnmin")
                 else "SINGLE_QUERY_TILE_N", n)
@@ -112,7 +109,6 @@ def reset_switches() -> None:
     triton_backend.FUSED_DECODE_KV_WRITE = "auto"
     attention.MIN_TILES_PER_SPLIT, attention.SINGLE_QUERY_TILE_N = _ATTENTION_DEFAULTS
     decode_attention.PRELOAD_FIRST_TILE = None
-    decode_attention.L2_PREFETCH_NEXT_WEIGHT = False
 
 
 def free(engine: LLMEngine) -> None:

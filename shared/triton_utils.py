@@ -28,7 +28,7 @@ import triton.language as tl  # noqa: E402
 
 __all__ = [
     "HAS_CUDA", "INTERPRET", "triton", "tl", "next_power_of_2", "use_pdl", "pdl_launch",
-    "pdl_wait_and_release", "l2_prefetch_args", "l2_prefetch_share",
+    "pdl_wait_and_release",
 ]
 
 # Programmatic dependent launch (sm_90+): kernels that call gdc_wait() before reading their
@@ -65,32 +65,3 @@ def pdl_wait_and_release():
 @functools.cache
 def _capability(device: torch.device) -> tuple[int, int]:
     return torch.cuda.get_device_capability(device)
-
-
-def l2_prefetch_args(x: torch.Tensor, tensor: torch.Tensor | None, programs: int,
-                     lanes: int) -> tuple[tuple, int]:
-    """((ptr, num_chunks, chunk_bytes), PREFETCH_LANES) for a kernel that pulls `tensor`
-    into L2 with l2_prefetch_share, split over `programs` x `lanes` threads; lanes 0 (and
-    a dummy pointer) where there is nothing to fetch or no bulk prefetch (sm_90+ only)."""
-    if tensor is None or not x.is_cuda or INTERPRET or _capability(x.device) < (9, 0):
-        return (x, 0, 0), 0
-    assert tensor.is_contiguous() and tensor.data_ptr() % 16 == 0
-    nbytes = tensor.numel() * tensor.element_size()
-    chunk = -(-nbytes // (programs * lanes))
-    chunk = -(-chunk // 16) * 16  # the instruction's size is a multiple of 16 bytes
-    return (tensor, nbytes // chunk, chunk), lanes  # a tail under one chunk stays out
-
-
-@triton.jit
-def l2_prefetch_share(base_ptr, program, num_chunks, chunk_bytes, LANES: tl.constexpr):
-    """Program `program`'s share of a tensor into L2, one chunk per thread (LANES = the
-    program's threads, so no lane is a replica): cp.async.bulk.prefetch.L2 holds no
-    registers, waits for nothing and writes nothing, so it cannot change a result. Spare
-    lanes of the last program fetch the last chunk again (harmless)."""
-    idx = tl.minimum(program * LANES + tl.arange(0, LANES), num_chunks - 1)
-    tl.inline_asm_elementwise(
-        "cp.async.bulk.prefetch.L2.global [$1], $2;\n\tmov.u32 $0, 0;",
-        "=r,l,r", [base_ptr.to(tl.pointer_type(tl.int8)) + idx.to(tl.int64) * chunk_bytes,
-                   tl.full([LANES], 0, tl.int32) + chunk_bytes],
-        dtype=tl.int32, is_pure=False, pack=1,
-    )

@@ -225,10 +225,6 @@ def _write_and_attend_new_kv(
 PRELOAD_FIRST_TILE: bool | None = None
 
 
-# The split reduce pulls the next kernel's weight into L2 (an experiment: benchmarks flip it).
-L2_PREFETCH_NEXT_WEIGHT = False
-
-
 def preload_first_tile(num_splits: int) -> bool:
     """Hold a split's first KV tile in registers across the PDL wait? Where the grid was
     widened by KV splits (small batches: bound by latency) that takes the loads off the
@@ -250,12 +246,9 @@ def decode_attention(
     slot_mapping: torch.Tensor,  # int64 [>= T]; negative: not written
     scale: float,
     num_splits: int,
-    l2_prefetch: torch.Tensor | None = None,
 ) -> None:
     """write_kv + paged_attention for a batch whose rows all have query length <= 1, in
-    one kernel (+ the split reduction). Grids depend only on R and num_splits.
-    `l2_prefetch`: the weight the layer's next kernel streams (o_proj's); with
-    L2_PREFETCH_NEXT_WEIGHT the split reduce pulls it into L2 while it merges."""
+    one kernel (+ the split reduction). Grids depend only on R and num_splits."""
     num_tokens, num_heads, head_dim = query.shape
     num_kv_heads = key.shape[1]
     num_reqs = seq_lens.shape[0]
@@ -282,5 +275,4 @@ def decode_attention(
         PRELOAD=preload_first_tile(num_splits),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(query),
     )
-    unified.reduce_splits(output, partials, seq_lens, query_start_loc, cfg.tile_n, num_splits,
-                          l2_prefetch if L2_PREFETCH_NEXT_WEIGHT else None)
+    unified.reduce_splits(output, partials, seq_lens, query_start_loc, cfg.tile_n, num_splits)

@@ -3,8 +3,6 @@ both in one call, where the impl fuses them for this batch)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 from torch import nn
 
@@ -30,10 +28,6 @@ class Attention(nn.Module):
         self.layer_name = layer_name
         self.kv_cache: torch.Tensor | None = None  # [2, num_blocks, block_size, Hkv, D]
         self.impl = None  # set by bind_backend
-        # -> the weight the model's next kernel streams (o_proj's), for a decode path
-        # that pulls it into L2 (decode_attention.L2_PREFETCH_NEXT_WEIGHT); a callable,
-        # so the module does not register the parameter a second time
-        self.next_weight: Callable[[], torch.Tensor] | None = None
 
     def bind_backend(self, backend) -> None:
         self.impl = backend.make_impl(self.num_heads, self.head_dim, self.num_kv_heads, self.scale)
@@ -57,9 +51,8 @@ class Attention(nn.Module):
         key_cache, value_cache = self.kv_cache[0], self.kv_cache[1]
         fuses = getattr(self.impl, "fuses_kv_write", None)
         if fuses is not None and fuses(metadata):  # one kernel: see backend.py
-            next_weight = None if self.next_weight is None else self.next_weight()
             self.impl.forward_with_kv_write(query, key, value, key_cache, value_cache,
-                                            metadata, output, next_weight)
+                                            metadata, output)
         else:
             write_kv(key, value, key_cache, value_cache, common.slot_mapping)
             self.impl.forward(query, key_cache, value_cache, metadata, output)

@@ -132,7 +132,6 @@ class TritonAttentionImpl:
         value_cache: torch.Tensor,
         metadata: TritonAttentionMetadata,
         output: torch.Tensor,
-        l2_prefetch: torch.Tensor | None = None,
     ) -> None:
         assert self.fuses_kv_write(metadata)
         decode_attention(
@@ -140,7 +139,6 @@ class TritonAttentionImpl:
             metadata.query_start_loc, metadata.seq_lens, metadata.block_table,
             metadata.common.slot_mapping, self.scale,
             num_splits=self.splits_for(metadata.seq_lens.shape[0], query.device),
-            l2_prefetch=l2_prefetch,
         )
 
     def forward(

@@ -17,7 +17,7 @@ from shared.attention.unified_attention_kernels import (
     paged_attention_kernel,
     reduce_splits_kernel,
 )
-from shared.triton_utils import INTERPRET, l2_prefetch_args, next_power_of_2, pdl_launch, tl
+from shared.triton_utils import INTERPRET, next_power_of_2, pdl_launch, tl
 
 LOG2E = 1.4426950408889634
 
@@ -163,23 +163,17 @@ def split_partials(query: torch.Tensor, num_reqs: int, num_splits: int) -> tuple
 
 
 def reduce_splits(output: torch.Tensor, partials: tuple, seq_lens: torch.Tensor,
-                  query_start_loc: torch.Tensor, tile_n: int, num_splits: int,
-                  l2_prefetch: torch.Tensor | None = None) -> None:
+                  query_start_loc: torch.Tensor, tile_n: int, num_splits: int) -> None:
     """Merge the split partials of a decode launch with tiles of `tile_n` keys into the
-    output rows (nothing to do with one split). `l2_prefetch`: a tensor the programs pull
-    into L2 as they start (CUDA sm_90+; ignored elsewhere)."""
+    output rows (nothing to do with one split)."""
     if num_splits == 1:
         return
     head_dim = output.shape[2]
-    grid = (seq_lens.shape[0], output.shape[1])
-    num_warps = 4
-    prefetch, lanes = l2_prefetch_args(output, l2_prefetch, grid[0] * grid[1], num_warps * 32)
-    reduce_splits_kernel[grid](
-        output, *partials, seq_lens, query_start_loc, *output.stride(), *prefetch,
+    reduce_splits_kernel[(seq_lens.shape[0], output.shape[1])](
+        output, *partials, seq_lens, query_start_loc, *output.stride(),
         HEAD_DIM=head_dim, BLOCK_D=max(16, next_power_of_2(head_dim)), TILE_N=tile_n,
         NUM_SPLITS=num_splits, BLOCK_S=next_power_of_2(num_splits),
-        MIN_TILES_PER_SPLIT=MIN_TILES_PER_SPLIT, PREFETCH_LANES=lanes, num_warps=num_warps,
-        **pdl_launch(output),
+        MIN_TILES_PER_SPLIT=MIN_TILES_PER_SPLIT, num_warps=4, **pdl_launch(output),
     )
 
 

@@ -28,7 +28,7 @@ Padded rows (query length 0, seq_len 0) and padded tokens are never written.
 
 from __future__ import annotations
 
-from shared.triton_utils import l2_prefetch_share, pdl_wait_and_release, tl, triton
+from shared.triton_utils import pdl_wait_and_release, tl, triton
 
 
 @triton.jit
@@ -253,7 +253,6 @@ def reduce_splits_kernel(
     seq_lens_ptr,  # int32 [R]
     query_start_loc_ptr,  # int32 [R + 1]
     stride_ot, stride_oh, stride_od,
-    prefetch_ptr, prefetch_chunks, prefetch_chunk_bytes,  # see l2_prefetch_args
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     TILE_N: tl.constexpr,
@@ -261,7 +260,6 @@ def reduce_splits_kernel(
     BLOCK_S: tl.constexpr,  # NUM_SPLITS rounded up to a power of 2
     MIN_TILES_PER_SPLIT: tl.constexpr,
     USE_PDL: tl.constexpr = False,  # launched with programmatic dependent launch (sm_90+)
-    PREFETCH_LANES: tl.constexpr = 0,  # > 0: pull the next kernel's weight into L2
 ):
     req = tl.program_id(0)
     head = tl.program_id(1)
@@ -272,11 +270,6 @@ def reduce_splits_kernel(
     seq_len = tl.load(seq_lens_ptr + req)
     if USE_PDL:  # launched while the attention kernel that wrote the partials drains
         pdl_wait_and_release()
-    if PREFETCH_LANES > 0:
-        # After the wait, so the attention's KV reads are done and the HBM is idle: the
-        # weight the next kernel streams first starts arriving while this one merges.
-        l2_prefetch_share(prefetch_ptr, req * num_heads + head, prefetch_chunks,
-                          prefetch_chunk_bytes, PREFETCH_LANES)
     # Only single-query rows were split; padded rows (q_len 0) are never written.
     if (q_len != 1) | (seq_len <= 0):
         return

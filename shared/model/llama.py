@@ -77,7 +77,6 @@ class LlamaAttention(nn.Module):
         self.attn = Attention(
             self.num_heads, self.head_dim, self.num_kv_heads, self.head_dim**-0.5, f"{prefix}.attn"
         )
-        self.attn.next_weight = lambda: self.o_proj.weight  # what the attention's output meets
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
         q, k, v = self.pre_attention(positions, hidden_states)
