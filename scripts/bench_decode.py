@@ -58,8 +58,9 @@ def make_engine(model: str, runner: str, eager: bool, max_num_seqs: int, sizes: 
       decode attention, whatever the batch (default: triton_backend's rule);
     - "preload" / "nopreload": the decode attention holds its first tile across the PDL
       wait always / never (default: preload_first_tile's rule);
-    - "attnminN" / "attntileN", N an integer: the decode attention's MIN_TILES_PER_SPLIT /
-      SINGLE_QUERY_TILE_N;
+    - "attnminN" / "attntileN" / "attnwarpsN" / "attnstagesN", N an integer: the decode
+      attention's MIN_TILES_PER_SPLIT / SINGLE_QUERY_TILE_N / SINGLE_QUERY_NUM_WARPS, and
+      the fused decode kernel's NUM_STAGES;
     - "prevgemv": llama's four layer GEMVs with the configs of the table before
       bench_gemv_variants (PREVIOUS_LLAMA_GEMV);
     - "noattn" (a diagnostic, its tokens are wrong): every attention layer returns its q
@@ -69,7 +70,8 @@ def make_engine(model: str, runner: str, eager: bool, max_num_seqs: int, sizes: 
 
     runner, _, mode = runner.partition("-")
     modes = set(mode.split("+")) - {""}
-    numbered = {m: int(g[1]) for m in modes if (g := re.fullmatch(r"attn(?:min|tile)(\d+)", m))}
+    numbered = {m: (g[1], int(g[2])) for m in modes
+                if (g := re.fullmatch(r"attn(min|tile|warps|stages)(\d+)", m))}
     unknown = (modes - {"async", "cublas", "nopdl", "nofusedkv", "fusedkv", "preload",
                         "nopreload", "noattn", "prevgemv"} - set(numbered))
     if unknown:
@@ -84,9 +86,8 @@ def make_engine(model: str, runner: str, eager: bool, max_num_seqs: int, sizes: 
                                             else "always" if "fusedkv" in modes else "auto")
     decode_attention.PRELOAD_FIRST_TILE = (True if "preload" in modes
                                            else False if "nopreload" in modes else None)
-    for m, n in numbered.items():
-        setattr(attention, "MIN_TILES_PER_SPLIT" if m.startswith("attnmin")
-                else "SINGLE_QUERY_TILE_N", n)
+    for knob, n in numbered.values():
+        setattr(*_ATTENTION_KNOBS[knob], n)
     args = EngineArgs(
         async_scheduling="async" in modes,
         model=model, load_format="dummy", dtype="bfloat16", device="cuda", seed=0,
@@ -98,7 +99,11 @@ def make_engine(model: str, runner: str, eager: bool, max_num_seqs: int, sizes: 
     return LLMEngine.from_engine_args(args)
 
 
-_ATTENTION_DEFAULTS = (attention.MIN_TILES_PER_SPLIT, attention.SINGLE_QUERY_TILE_N)
+_ATTENTION_KNOBS = {  # attnKNOBn -> (module, attribute)
+    "min": (attention, "MIN_TILES_PER_SPLIT"), "tile": (attention, "SINGLE_QUERY_TILE_N"),
+    "warps": (attention, "SINGLE_QUERY_NUM_WARPS"), "stages": (decode_attention, "NUM_STAGES"),
+}
+_ATTENTION_DEFAULTS = {knob: getattr(*where) for knob, where in _ATTENTION_KNOBS.items()}
 
 
 def reset_switches() -> None:
@@ -107,7 +112,8 @@ def reset_switches() -> None:
     gemv.CONFIG_OVERRIDES.clear()
     Attention.forward = _ATTENTION_FORWARD
     triton_backend.FUSED_DECODE_KV_WRITE = "auto"
-    attention.MIN_TILES_PER_SPLIT, attention.SINGLE_QUERY_TILE_N = _ATTENTION_DEFAULTS
+    for knob, value in _ATTENTION_DEFAULTS.items():
+        setattr(*_ATTENTION_KNOBS[knob], value)
     decode_attention.PRELOAD_FIRST_TILE = None
 
 

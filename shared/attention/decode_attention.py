@@ -223,6 +223,12 @@ def _write_and_attend_new_kv(
 
 # None: preload_first_tile's rule; True / False force it (benchmarks).
 PRELOAD_FIRST_TILE: bool | None = None
+# Software-pipeline stages of the KV loop. One, not the single-query config's three: on the
+# H200 one was faster alone at every context from 1K to 128K keys (batch 1: 5.7 against
+# 6.9 us at 1K, 149 against 182 us at 128K; h200_decode_attention_configs.json), and the
+# llama-3-8b batch-1 step 0.02-0.03 ms faster (h200_decode_llama3_8b_attn_config.json).
+# The first tile is loaded by hand before the PDL wait anyway. Benchmarks change it.
+NUM_STAGES = 1
 
 
 def preload_first_tile(num_splits: int) -> bool:
@@ -273,6 +279,6 @@ def decode_attention(
         MIN_TILES_PER_SPLIT=unified.MIN_TILES_PER_SPLIT, DOT_DTYPE=dot_dtype,
         DOT_PRECISION=unified.dot_precision_for(dot_dtype),
         PRELOAD=preload_first_tile(num_splits),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(query),
+        num_warps=cfg.num_warps, num_stages=NUM_STAGES, **pdl_launch(query),
     )
     unified.reduce_splits(output, partials, seq_lens, query_start_loc, cfg.tile_n, num_splits)

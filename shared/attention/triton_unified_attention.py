@@ -30,6 +30,8 @@ MIN_TILES_PER_SPLIT = 1
 # Keys per loop iteration of the decode (single-query) kernel for 16-bit inputs; None:
 # 64 up to head_dim 128, else 32.
 SINGLE_QUERY_TILE_N: int | None = None
+# Warps of that kernel for 16-bit inputs; None: 4.
+SINGLE_QUERY_NUM_WARPS: int | None = None
 
 
 @dataclass(frozen=True)
@@ -48,7 +50,7 @@ def single_query_config(group: int, block_d: int, wide: bool) -> _KernelConfig:
     if wide:  # see _multi_query_config
         return _KernelConfig(block_m, 1, 32, num_warps=8, num_stages=3)
     tile_n = SINGLE_QUERY_TILE_N or (64 if block_d <= 128 else 32)
-    return _KernelConfig(block_m, 1, tile_n, num_warps=4, num_stages=3)
+    return _KernelConfig(block_m, 1, tile_n, num_warps=SINGLE_QUERY_NUM_WARPS or 4, num_stages=3)
 
 
 def _multi_query_config(group: int, block_d: int, wide: bool) -> _KernelConfig:
