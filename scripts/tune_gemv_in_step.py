@@ -40,16 +40,15 @@ from shared.model import gemv  # noqa: E402
 # other kernels' best few from h200_gemv_variants and the tables before.
 _FMA2 = [(n, k, w, 1, 2, 1) for n in (4, 8, 16) for k in (128, 256, 512) for w in (4, 8)]
 _FMA3 = [(n, k, w, 1, 3, 1) for n in (4, 8, 16) for k in (128, 256) for w in (4, 8)]
-# the dot kernel with a cp.async pipeline of 3-5 stages, as the LM head's config (which
-# streams at the read bandwidth), in row tiles small enough for many programs
-_DOT = [(n, k, 4, s, 1, 1) for n in (16, 32) for k in (64, 128, 256) for s in (3, 4, 5)]
-_DOT += [(16, 128, 8, 4, 1, 1), (32, 128, 8, 4, 1, 1), (16, 512, 4, 3, 1, 1)]
+# Not here: the dot kernel in 16- or 32-row tiles with 3-5 cp.async stages (the LM head's
+# kind of config at many programs). On the layer GEMVs every one lost, by 0.1-6 ms per
+# step (docs/results, h200_gemv_tune_in_step_dot).
 CANDIDATES = {
-    "rope+norm:6144x4096:m1:bfloat16": _FMA2 + _FMA3 + _DOT + [(8, 256, 8, 2, 0, 1)],
-    "residual:4096x4096:m1:bfloat16": _FMA2 + _FMA3 + _DOT + [(8, 512, 8, 4, 0, 1)],
-    "silu+norm:28672x4096:m1:bfloat16": _FMA2 + _FMA3 + _DOT + [
+    "rope+norm:6144x4096:m1:bfloat16": _FMA2 + _FMA3 + [(8, 256, 8, 2, 0, 1)],
+    "residual:4096x4096:m1:bfloat16": _FMA2 + _FMA3 + [(8, 512, 8, 4, 0, 1)],
+    "silu+norm:28672x4096:m1:bfloat16": _FMA2 + _FMA3 + [
         (64, 256, 4, 3, 1, 0), (32, 256, 4, 2, 0, 1)],
-    "residual:4096x14336:m1:bfloat16": _FMA2 + _FMA3 + _DOT + [(32, 512, 4, 5, 1, 1)],
+    "residual:4096x14336:m1:bfloat16": _FMA2 + _FMA3 + [(32, 512, 4, 5, 1, 1)],
     # the LM head: only the runs from the fifth session on time it (see the docstring)
     "none:128256x4096:m1:bfloat16": _FMA2 + [
         (64, 128, 4, 3, 1, 1), (64, 128, 4, 3, 1, 0), (32, 128, 4, 3, 1, 1),
@@ -58,7 +57,6 @@ CANDIDATES = {
 ONLY = {  # --only: a subset of the candidates
     "fma3": lambda key, cfg: cfg[4] == 3 or key.startswith("none"),
     "lmhead": lambda key, cfg: key.startswith("none"),
-    "dot": lambda key, cfg: cfg in _DOT,
 }
 
 
