@@ -34,10 +34,10 @@ class StepStats:
     num_reqs: int = 0
     num_tokens: int = 0
     cudagraph_mode: str = "NONE"
-    # CUDA events around the forward and around the sample stage (the LM head runs there,
-    # outside the graph); read lazily (elapsed_time needs the events done)
+    # CUDA events around the forward, and one at the sample stage's end (the LM head runs
+    # there, outside the graph); read lazily (elapsed_time needs the events done)
     _fwd_events: tuple[torch.cuda.Event, torch.cuda.Event] | None = None
-    _sample_events: tuple[torch.cuda.Event, torch.cuda.Event] | None = None
+    _sample_end: torch.cuda.Event | None = None
 
     @property
     def total_ms(self) -> float:
@@ -55,11 +55,10 @@ class StepStats:
         gather of the sampled rows, the LM head and the sampler. The forward alone leaves
         out the LM head (compute_logits runs in the sample stage), whose weight a decode
         step reads like any layer's; compare this one with a weight-read floor."""
-        if self._fwd_events is None or self._sample_events is None:
+        if self._fwd_events is None or self._sample_end is None:
             return None
-        end = self._sample_events[1]
-        end.synchronize()
-        return self._fwd_events[0].elapsed_time(end)
+        self._sample_end.synchronize()
+        return self._fwd_events[0].elapsed_time(self._sample_end)
 
 
 class StageTimer:
@@ -79,7 +78,7 @@ class StageTimer:
             torch.cuda.nvtx.range_push(f"{self.prefix}: {name}")
         start = time.perf_counter()
         events = None
-        if name in ("forward", "sample") and self.use_cuda_events:
+        if name == "forward" and self.use_cuda_events:
             events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
             events[0].record()
         try:
@@ -87,10 +86,10 @@ class StageTimer:
         finally:
             if events is not None:
                 events[1].record()
-                if name == "forward":
-                    self.stats._fwd_events = events
-                else:
-                    self.stats._sample_events = events
+                self.stats._fwd_events = events
+            elif name == "sample" and self.use_cuda_events:
+                self.stats._sample_end = torch.cuda.Event(enable_timing=True)
+                self.stats._sample_end.record()
             elapsed = (time.perf_counter() - start) * 1e3
             self.stats.stage_ms[name] = self.stats.stage_ms.get(name, 0.0) + elapsed
             if _NVTX_ENABLED:
