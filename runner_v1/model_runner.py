@@ -122,7 +122,9 @@ class GPUModelRunner(RunnerSetupMixin):
             hidden = state.hidden_states[inputs.logits_indices]
             logits = self.executor.compute_logits(hidden)
             # the position of each logit's input token: the seeded noise is keyed by it
-            positions = inputs.positions[inputs.logits_indices]
+            # (greedy rows have none: not gathered when every row is greedy)
+            positions = (None if state.sampling_metadata.all_greedy
+                         else inputs.positions[inputs.logits_indices])
             sampler_output = self.sampler(logits, state.sampling_metadata, positions)
         with self.timer.stage("postprocess"):
             output = self._bookkeeping(state, sampler_output)

@@ -11,6 +11,8 @@ compared in float64.
 
 from __future__ import annotations
 
+import functools
+import math
 from dataclasses import dataclass
 
 import torch
@@ -35,10 +37,18 @@ def compute_dtype(logits: torch.Tensor) -> torch.dtype:
 
 class Sampler:
     def __call__(
-        self, logits: torch.Tensor, metadata: SamplingMetadata, positions: torch.Tensor
+        self, logits: torch.Tensor, metadata: SamplingMetadata, positions: torch.Tensor | None
     ) -> SamplerOutput:
+        """positions: each logit's input position (it keys a random row's noise); may be
+        None when every row is greedy."""
         assert logits.dim() == 2 and logits.shape[0] == metadata.num_reqs
-        assert positions.shape == (logits.shape[0],)
+        if (metadata.all_greedy and metadata.repetition_penalty is None
+                and not metadata.min_tokens_stop_ids and metadata.max_num_logprobs is None):
+            # Plain greedy: the argmax of the logits as they are. The float32 copy below
+            # widens exactly, so it would pick the same index; skipping it (and the
+            # positions, which only seed random rows) takes two kernels off the step.
+            return SamplerOutput(greedy_argmax(logits), None, None, None)
+        assert positions is not None and positions.shape == (logits.shape[0],)
         raw = logits.to(compute_dtype(logits))
         x = apply_penalties(raw, metadata)
         x = apply_min_tokens(x, metadata)
@@ -103,9 +113,33 @@ def apply_min_tokens(x: torch.Tensor, metadata: SamplingMetadata) -> torch.Tenso
     return x
 
 
+@functools.cache
+def _chunk_size(vocab_size: int) -> int:
+    """The divisor of vocab_size nearest its square root from above (vocab_size itself
+    when prime: one chunk, a plain argmax)."""
+    for c in range(math.isqrt(vocab_size), vocab_size + 1):
+        if vocab_size % c == 0 and c * c >= vocab_size:
+            return c
+    return vocab_size
+
+
+def greedy_argmax(x: torch.Tensor) -> torch.Tensor:
+    """x.argmax(dim=-1), the first maximum of each row, in two parallel stages. On CUDA,
+    torch reduces one row into one output with a single 512-thread block: 37 us for
+    llama's 128256 logits on the H200, a tenth of the batch-1 step's LM head. Here each
+    row is viewed as [B, C] chunks (C divides the vocabulary, so no copy): the max of
+    every chunk (B outputs per row, in parallel), then the first chunk holding the row's
+    max and the first index inside it: the same first maximum."""
+    n, v = x.shape
+    c = _chunk_size(v)
+    values, index = x.view(n, v // c, c).max(dim=-1)  # first max per chunk
+    chunk = values.argmax(dim=-1, keepdim=True)  # first chunk with the row max
+    return torch.add(index.gather(1, chunk), chunk, alpha=c).squeeze(1)
+
+
 def sample(x: torch.Tensor, metadata: SamplingMetadata, positions: torch.Tensor) -> torch.Tensor:
     """Greedy rows: argmax of x. Random rows: Gumbel-max over the filtered x / T."""
-    greedy = x.argmax(dim=-1) if not metadata.all_random else None
+    greedy = greedy_argmax(x) if not metadata.all_random else None
     if metadata.all_greedy:
         return greedy
     temp = metadata.temperature.to(x.dtype)

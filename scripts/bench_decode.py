@@ -36,6 +36,8 @@ from shared.engine import LLMEngine
 from shared.model import gemv
 
 _ATTENTION_FORWARD = Attention.forward
+_PDL_EARLY_DEFAULT = triton_utils.PDL_EARLY_RELEASE
+_NUM_SPLITS_FOR = triton_backend.num_splits_for
 # The H200 table's llama-3-8b layer GEMV configs before bench_gemv_variants replaced them
 # (commit 23d3906): the "prevgemv" mode runs them side by side with the current table.
 PREVIOUS_LLAMA_GEMV = {
@@ -43,6 +45,10 @@ PREVIOUS_LLAMA_GEMV = {
     "residual:4096x4096:m1:bfloat16": (8, 512, 8, 4, 0),
     "silu+norm:28672x4096:m1:bfloat16": (32, 256, 4, 2, 0),
     "residual:4096x14336:m1:bfloat16": (32, 512, 4, 5, 1),
+}
+LLAMA_GEMV_KEYS = {  # the layer GEMVs the "?preN" modes change
+    "q": "rope+norm:6144x4096:m1:bfloat16", "o": "residual:4096x4096:m1:bfloat16",
+    "g": "silu+norm:28672x4096:m1:bfloat16", "d": "residual:4096x14336:m1:bfloat16",
 }
 LLAMA_RUNNERS = ("v1-cublas", "v1-nopdl", "v1-nofusedkv", "v1", "v2", "v2-async")
 
@@ -60,9 +66,15 @@ def make_engine(model: str, runner: str, eager: bool, max_num_seqs: int, sizes: 
       wait always / never (default: preload_first_tile's rule);
     - "attnminN" / "attntileN" / "attnwarpsN" / "attnstagesN", N an integer: the decode
       attention's MIN_TILES_PER_SPLIT / SINGLE_QUERY_TILE_N / SINGLE_QUERY_NUM_WARPS, and
-      the fused decode kernel's NUM_STAGES;
+      the fused decode kernel's NUM_STAGES; "attnsplitsN": N KV splits (default:
+      triton_backend.num_splits_for);
     - "prevgemv": llama's four layer GEMVs with the configs of the table before
       bench_gemv_variants (PREVIOUS_LLAMA_GEMV);
+    - "early" / "earlyKIND" (KIND attention, reduce or gemv): those kernels release their
+      PDL successor before their own wait (triton_utils.PDL_EARLY_RELEASE; "early": all;
+      "noearly": none);
+    - "qpreN" / "opreN" / "gpreN" / "dpreN": llama's qkv / o_proj / gate_up / down GEMV with
+      its table config but N weight tiles loaded before the PDL wait;
     - "noattn" (a diagnostic, its tokens are wrong): every attention layer returns its q
       unchanged, launching nothing, so the row prices the attention's share of the step.
     E.g. "v1-cublas+nopdl"."""
@@ -71,9 +83,13 @@ def make_engine(model: str, runner: str, eager: bool, max_num_seqs: int, sizes: 
     runner, _, mode = runner.partition("-")
     modes = set(mode.split("+")) - {""}
     numbered = {m: (g[1], int(g[2])) for m in modes
-                if (g := re.fullmatch(r"attn(min|tile|warps|stages)(\d+)", m))}
+                if (g := re.fullmatch(r"attn(min|tile|warps|stages|splits)(\d+)", m))}
+    preloads = {m: (g[1], int(g[2])) for m in modes if (g := re.fullmatch(r"([qogd])pre(\d+)", m))}
+    early = {m for m in modes if re.fullmatch(r"early(attention|reduce|gemv)?", m)}
+    early_off = {"noearly"} & modes
     unknown = (modes - {"async", "cublas", "nopdl", "nofusedkv", "fusedkv", "preload",
-                        "nopreload", "noattn", "prevgemv"} - set(numbered))
+                        "nopreload", "noattn", "prevgemv"} - set(numbered) - set(preloads)
+               - early - early_off)
     if unknown:
         raise ValueError(f"bench_decode --rows: unknown mode(s) {sorted(unknown)} in {runner}-{mode}")
     gemv.ENABLED = "cublas" not in modes
@@ -82,12 +98,24 @@ def make_engine(model: str, runner: str, eager: bool, max_num_seqs: int, sizes: 
     if "noattn" in modes:
         Attention.forward = lambda self, q, k, v: q
     triton_utils.PDL_ENABLED = "nopdl" not in modes
+    if early:
+        triton_utils.PDL_EARLY_RELEASE = frozenset(
+            k for k in ("attention", "reduce", "gemv") if {"early", "early" + k} & early)
+    if "noearly" in modes:
+        triton_utils.PDL_EARLY_RELEASE = _PDL_EARLY_DEFAULT
+    for which, n in preloads.values():
+        key = LLAMA_GEMV_KEYS[which]
+        config = gemv._config_for(torch.empty(1, device="cuda"), key, None)
+        gemv.CONFIG_OVERRIDES[key] = tuple(config[:5]) + (n,)
     triton_backend.FUSED_DECODE_KV_WRITE = ("never" if "nofusedkv" in modes
                                             else "always" if "fusedkv" in modes else "auto")
     decode_attention.PRELOAD_FIRST_TILE = (True if "preload" in modes
                                            else False if "nopreload" in modes else None)
     for knob, n in numbered.values():
-        setattr(*_ATTENTION_KNOBS[knob], n)
+        if knob == "splits":  # every decode launch gets n KV splits, whatever its batch
+            triton_backend.num_splits_for = lambda *_, n=n: n
+        else:
+            setattr(*_ATTENTION_KNOBS[knob], n)
     args = EngineArgs(
         async_scheduling="async" in modes,
         model=model, load_format="dummy", dtype="bfloat16", device="cuda", seed=0,
@@ -109,11 +137,13 @@ _ATTENTION_DEFAULTS = {knob: getattr(*where) for knob, where in _ATTENTION_KNOBS
 def reset_switches() -> None:
     """The module switches make_engine's modes flip, back to their defaults."""
     gemv.ENABLED = triton_utils.PDL_ENABLED = True
+    triton_utils.PDL_EARLY_RELEASE = _PDL_EARLY_DEFAULT
     gemv.CONFIG_OVERRIDES.clear()
     Attention.forward = _ATTENTION_FORWARD
     triton_backend.FUSED_DECODE_KV_WRITE = "auto"
     for knob, value in _ATTENTION_DEFAULTS.items():
         setattr(*_ATTENTION_KNOBS[knob], value)
+    triton_backend.num_splits_for = _NUM_SPLITS_FOR
     decode_attention.PRELOAD_FIRST_TILE = None
 
 
@@ -180,6 +210,10 @@ def llama_batch1(bw: float, steps: int, rows: list[str], repeats: int) -> dict:
         result["tokens_identical"] = ref == tokens["v2"] and ref.keys() == late.keys() and all(
             ref[r][: len(late[r])] == late[r] and len(ref[r]) - len(late[r]) <= 1 for r in ref
         )
+    if "v1" in tokens:  # per row; bf16 rows with another summation order may flip a tie
+        for runner in rows:
+            if runner.startswith("v1"):
+                result[runner]["tokens_same_as_v1"] = tokens[runner] == tokens["v1"]
     if {"v1", "v1-prevgemv"} <= tokens.keys():  # bf16, other summation order: reported only
         result["tokens_same_as_prevgemv"] = tokens["v1-prevgemv"] == tokens["v1"]
     if {"v1", "v1-cublas"} <= tokens.keys():
@@ -241,7 +275,8 @@ def main() -> int:
             print(f"  {runner}: step GPU {x['step_gpu_ms']:.3f} ms ({x['step_gpu_over_floor']:.3f}x floor), "
                   f"forward GPU {x['forward_gpu_ms']:.3f} ms ({x['forward_gpu_over_forward_floor']:.3f}x "
                   f"its floor), steady {x['steady_ms']:.2f} ms ({x['steady_over_floor']:.3f}x); "
-                  "step GPU per run " + " ".join(f"{ms:.3f}" for ms in x["step_gpu_ms_per_run"]),
+                  "step GPU per run " + " ".join(f"{ms:.3f}" for ms in x["step_gpu_ms_per_run"])
+                  + f"; tokens same as v1: {x.get('tokens_same_as_v1')}",
                   flush=True)
         print(f"  tokens identical V1 vs V2 vs V2-async (fused GEMVs): {r.get('tokens_identical')}; "
               f"same as with cuBLAS: {r.get('tokens_same_as_cublas')}", flush=True)

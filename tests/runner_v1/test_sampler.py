@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from runner_v1.sampler import Sampler, filter_threshold
+from runner_v1.sampler import Sampler, filter_threshold, greedy_argmax
 from runner_v1.sampling_metadata import SamplingMetadata
 from shared.sampling.semantics import keep_mask, reference_sample_row
 from shared.sampling_params import SamplingParams
@@ -274,3 +274,39 @@ def test_chi_square_rejects_uniform_noise(monkeypatch) -> None:
     probs = torch.softmax(LOGITS8 / t, dim=0).numpy()
     counts = draw_counts(LOGITS8, 6000, temperature=t)
     assert chi2(counts, probs) > CHI2_CRIT_001[7]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_plain_greedy_needs_no_positions_and_matches_numpy(dtype):
+    """All-greedy rows without penalties, min_tokens or logprobs take the short path (no
+    float32 copy, no positions): the first maximum of each row, as np.argmax finds it on
+    the float32 values, ties included (bf16 rounding makes several columns equal)."""
+    rows = [Row(SamplingParams(temperature=0.0, seed=s), prompt=[5, 6, 7]) for s in range(4)]
+    md, _ = make_metadata(rows, VOCAB)
+    assert md.all_greedy and md.repetition_penalty is None and not md.min_tokens_stop_ids
+    gen = torch.Generator().manual_seed(11)
+    logits = (torch.randn(len(rows), VOCAB, generator=gen) * 0.02).to(dtype)
+    logits[2, [9, 40, 70]] = 5.0  # a three-way tie at the top: the first one wins
+    out = Sampler()(logits, md, None)
+    expected = np.argmax(logits.float().numpy(), axis=1)
+    assert out.sampled_token_ids.tolist() == expected.tolist()
+    assert out.sampled_token_ids[2].item() == 9 and out.logprobs is None
+    # with a random row in the batch the positions are required again
+    mixed = replace(md, all_greedy=False)
+    with pytest.raises(AssertionError):
+        Sampler()(logits, mixed, None)
+
+
+@pytest.mark.parametrize("vocab", [96, 97, 128256, 1000, 7 * 11 * 13])
+def test_greedy_argmax_is_the_first_maximum(vocab):
+    """The two-stage argmax against np.argmax (first maximum), with ties inside a chunk,
+    across chunks and at both ends of the row; 97 is prime (one chunk)."""
+    gen = torch.Generator().manual_seed(vocab)
+    x = torch.randn(5, vocab, generator=gen).to(torch.bfloat16).float()
+    x[1, [vocab - 1, vocab - 2]] = 9.0  # tie at the end
+    x[2, [0, vocab // 2, vocab - 1]] = 9.0  # tie across the row: index 0 wins
+    x[3, :] = 1.0  # every column equal
+    x[4, [3, 4]] = 9.0  # neighbours inside one chunk
+    got = greedy_argmax(x)
+    assert got.tolist() == np.argmax(x.numpy(), axis=1).tolist()
+    assert got.dtype == torch.int64 and got.shape == (5,)
