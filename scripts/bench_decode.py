@@ -36,7 +36,6 @@ from shared.engine import LLMEngine
 from shared.model import gemv
 
 _ATTENTION_FORWARD = Attention.forward
-_PDL_EARLY_DEFAULT = triton_utils.PDL_EARLY_RELEASE
 _NUM_SPLITS_FOR = triton_backend.num_splits_for
 # The H200 table's llama-3-8b layer GEMV configs before bench_gemv_variants replaced them
 # (commit 23d3906): the "prevgemv" mode runs them side by side with the current table.
@@ -45,10 +44,6 @@ PREVIOUS_LLAMA_GEMV = {
     "residual:4096x4096:m1:bfloat16": (8, 512, 8, 4, 0),
     "silu+norm:28672x4096:m1:bfloat16": (32, 256, 4, 2, 0),
     "residual:4096x14336:m1:bfloat16": (32, 512, 4, 5, 1),
-}
-LLAMA_GEMV_KEYS = {  # the layer GEMVs the "?preN" modes change
-    "q": "rope+norm:6144x4096:m1:bfloat16", "o": "residual:4096x4096:m1:bfloat16",
-    "g": "silu+norm:28672x4096:m1:bfloat16", "d": "residual:4096x14336:m1:bfloat16",
 }
 LLAMA_RUNNERS = ("v1-cublas", "v1-nopdl", "v1-nofusedkv", "v1", "v2", "v2-async")
 
@@ -70,11 +65,6 @@ def make_engine(model: str, runner: str, eager: bool, max_num_seqs: int, sizes: 
       triton_backend.num_splits_for);
     - "prevgemv": llama's four layer GEMVs with the configs of the table before
       bench_gemv_variants (PREVIOUS_LLAMA_GEMV);
-    - "early" / "earlyKIND" (KIND attention, reduce or gemv): those kernels release their
-      PDL successor before their own wait (triton_utils.PDL_EARLY_RELEASE; "early": all;
-      "noearly": none);
-    - "qpreN" / "opreN" / "gpreN" / "dpreN": llama's qkv / o_proj / gate_up / down GEMV with
-      its table config but N weight tiles loaded before the PDL wait;
     - "noattn" (a diagnostic, its tokens are wrong): every attention layer returns its q
       unchanged, launching nothing, so the row prices the attention's share of the step.
     E.g. "v1-cublas+nopdl"."""
@@ -84,12 +74,8 @@ def make_engine(model: str, runner: str, eager: bool, max_num_seqs: int, sizes: 
     modes = set(mode.split("+")) - {""}
     numbered = {m: (g[1], int(g[2])) for m in modes
                 if (g := re.fullmatch(r"attn(min|tile|warps|stages|splits)(\d+)", m))}
-    preloads = {m: (g[1], int(g[2])) for m in modes if (g := re.fullmatch(r"([qogd])pre(\d+)", m))}
-    early = {m for m in modes if re.fullmatch(r"early(attention|reduce|gemv)?", m)}
-    early_off = {"noearly"} & modes
     unknown = (modes - {"async", "cublas", "nopdl", "nofusedkv", "fusedkv", "preload",
-                        "nopreload", "noattn", "prevgemv"} - set(numbered) - set(preloads)
-               - early - early_off)
+                        "nopreload", "noattn", "prevgemv"} - set(numbered))
     if unknown:
         raise ValueError(f"bench_decode --rows: unknown mode(s) {sorted(unknown)} in {runner}-{mode}")
     gemv.ENABLED = "cublas" not in modes
@@ -98,15 +84,6 @@ def make_engine(model: str, runner: str, eager: bool, max_num_seqs: int, sizes: 
     if "noattn" in modes:
         Attention.forward = lambda self, q, k, v: q
     triton_utils.PDL_ENABLED = "nopdl" not in modes
-    if early:
-        triton_utils.PDL_EARLY_RELEASE = frozenset(
-            k for k in ("attention", "reduce", "gemv") if {"early", "early" + k} & early)
-    if "noearly" in modes:
-        triton_utils.PDL_EARLY_RELEASE = _PDL_EARLY_DEFAULT
-    for which, n in preloads.values():
-        key = LLAMA_GEMV_KEYS[which]
-        config = gemv._config_for(torch.empty(1, device="cuda"), key, None)
-        gemv.CONFIG_OVERRIDES[key] = tuple(config[:5]) + (n,)
     triton_backend.FUSED_DECODE_KV_WRITE = ("never" if "nofusedkv" in modes
                                             else "always" if "fusedkv" in modes else "auto")
     decode_attention.PRELOAD_FIRST_TILE = (True if "preload" in modes
@@ -137,7 +114,6 @@ _ATTENTION_DEFAULTS = {knob: getattr(*where) for knob, where in _ATTENTION_KNOBS
 def reset_switches() -> None:
     """The module switches make_engine's modes flip, back to their defaults."""
     gemv.ENABLED = triton_utils.PDL_ENABLED = True
-    triton_utils.PDL_EARLY_RELEASE = _PDL_EARLY_DEFAULT
     gemv.CONFIG_OVERRIDES.clear()
     Attention.forward = _ATTENTION_FORWARD
     triton_backend.FUSED_DECODE_KV_WRITE = "auto"

@@ -8,8 +8,7 @@ that were tuned and measured on the H200 unchanged, so their numbers still hold:
   python3 scripts/gemv_ptx_fingerprint.py > after.json && diff before.json after.json
 
 Variants: the launch configs of the llama-3-8b table plus odd ones (more tokens, bias, an
-unaligned K) and heads of preloaded tiles, each in bf16 and float32, with and without
-programmatic dependent launch (and with the early release of PDL_EARLY).
+unaligned K), each in bf16 and float32, with and without programmatic dependent launch.
 Compiled as a launch specialises them (16-byte aligned pointers, strides divisible by 16);
 debug info and line markers are dropped, so moving code between lines changes nothing.
 """
@@ -50,10 +49,6 @@ VARIANTS = [
     ("fma_3_tokens", 0, "silu", 16, 256, 2, 4, 4096, 3, False),
     ("dot_8_tokens_rope", 1, "rope", 16, 256, 3, 4, 4096, 8, False),
     ("fma_bias_odd_k", 0, "none", 16, 256, 2, 4, 1000, 2, True),
-    # a head of tiles held across the PDL wait (preload > 1)
-    ("o_proj_head8", 2, "residual", 8, 512, 1, 8, 4096, 1, False, 8),
-    ("gate_up_head4", 2, "silu", 8, 128, 1, 4, 4096, 1, False, 4),
-    ("fma3_down_head2", 3, "residual", 8, 512, 1, 8, 14336, 1, False, 2),
 ]
 _SIGNATURE = inspect.signature(gemv._gemv_kernel.fn)
 POINTERS = ("x_ptr", "w_ptr", "bias_ptr", "norm_w_ptr", "residual_ptr", "out_ptr")
@@ -63,11 +58,10 @@ def fingerprint(name, kernel, epilogue, block_n, block_k, stages, warps, k, m, b
                 preload=1, *, pdl, dtype) -> str:
     const = dict(
         K=k, M=m, BLOCK_N=block_n, BLOCK_K=block_k, USE_DOT=kernel == 1, BLOCK_M=16,
-        FMA_DEPTH=kernel if kernel in (2, 3) and m == 1 else 0, PRELOAD=preload,
+        FMA_DEPTH=kernel if kernel in (2, 3) and m == 1 else 0, PRELOAD=bool(preload),
         IEEE=dtype == "fp32", HAS_BIAS=bias, HAS_NORM=epilogue in ("silu", "rope"),
         EPILOGUE=gemv._EPILOGUES[epilogue], HEAD_DIM=128 if epilogue == "rope" else 0,
-        NUM_ROPE_HEADS=40 if epilogue == "rope" else 0, USE_PDL=bool(pdl),
-        PDL_EARLY=pdl == "early",
+        NUM_ROPE_HEADS=40 if epilogue == "rope" else 0, USE_PDL=pdl,
     )
     # Constexprs with defaults: as a launch that does not pass them fills them in.
     const.update({name: p.default for name, p in _SIGNATURE.parameters.items()
@@ -88,11 +82,9 @@ def fingerprint(name, kernel, epilogue, block_n, block_k, stages, warps, k, m, b
 
 
 def main() -> int:
-    # pdl: off, on, on with the successor released before the wait (PDL_EARLY)
-    names = {False: "plain", True: "pdl", "early": "pdl_early"}
     prints = {
-        f"{v[0]}:{dtype}:{names[pdl]}": fingerprint(*v, pdl=pdl, dtype=dtype)
-        for v in VARIANTS for dtype in ("bf16", "fp32") for pdl in names
+        f"{v[0]}:{dtype}:{'pdl' if pdl else 'plain'}": fingerprint(*v, pdl=pdl, dtype=dtype)
+        for v in VARIANTS for dtype in ("bf16", "fp32") for pdl in (False, True)
     }
     print(json.dumps(prints, indent=1))
     return 0

@@ -28,20 +28,13 @@ import triton.language as tl  # noqa: E402
 
 __all__ = [
     "HAS_CUDA", "INTERPRET", "triton", "tl", "next_power_of_2", "use_pdl", "pdl_launch",
-    "pdl_wait_and_release", "pdl_release",
+    "pdl_wait_and_release",
 ]
 
 # Programmatic dependent launch (sm_90+): kernels that call gdc_wait() before reading their
 # predecessor's output may be launched while it drains. One switch for every such kernel
 # (benchmarks flip it to measure the difference).
 PDL_ENABLED = True
-# The kernel kinds ("attention", "reduce", "gemv") that let their successor be scheduled as
-# soon as they start, before their own wait, rather than after it. Safe because every
-# program of every PDL kernel still waits before it reads or writes shared data, and a
-# kernel cannot finish before its predecessor has (its programs wait first), so each
-# wait covers the whole chain behind it. What it buys: at batch 1 the attention chain
-# leaves most SMs idle, and a successor already resident there can load its weights.
-PDL_EARLY_RELEASE: frozenset[str] = frozenset()
 
 
 def next_power_of_2(n: int) -> int:
@@ -53,32 +46,19 @@ def use_pdl(x: torch.Tensor) -> bool:
     return PDL_ENABLED and x.is_cuda and not INTERPRET and _capability(x.device) >= (9, 0)
 
 
-def pdl_launch(x: torch.Tensor, kind: str | None = None) -> dict:
+def pdl_launch(x: torch.Tensor) -> dict:
     """Launch options for a kernel with a USE_PDL constexpr that calls pdl_wait_and_release
-    before it touches memory another kernel writes: {} where PDL is off or unsupported.
-    A kernel launched with a `kind` also takes a PDL_EARLY constexpr (PDL_EARLY_RELEASE)."""
-    if not use_pdl(x):
-        return {}
-    early = {} if kind is None else {"PDL_EARLY": kind in PDL_EARLY_RELEASE}
-    return {"USE_PDL": True, "launch_pdl": True, **early}
+    before it touches memory another kernel writes: {} where PDL is off or unsupported."""
+    return {"USE_PDL": True, "launch_pdl": True} if use_pdl(x) else {}
 
 
 @triton.jit
-def pdl_wait_and_release(RELEASED: tl.constexpr = False):
+def pdl_wait_and_release():
     """Inside a kernel launched with launch_pdl=True: wait until the kernels before it have
     finished and their writes are visible (griddepcontrol.wait), then let the next
-    PDL-launched kernel be scheduled while this one runs (unless pdl_release already
-    did). Nothing that reads another kernel's output, or writes memory that another
-    kernel reads, may come before it."""
+    PDL-launched kernel be scheduled while this one runs. Nothing that reads another
+    kernel's output, or writes memory that another kernel reads, may come before it."""
     tl.extra.cuda.gdc_wait()
-    if not RELEASED:
-        tl.extra.cuda.gdc_launch_dependents()
-
-
-@triton.jit
-def pdl_release():
-    """Let the next PDL-launched kernel be scheduled now, before this kernel's wait (the
-    PDL_EARLY_RELEASE kinds call it first thing, then pdl_wait_and_release(True))."""
     tl.extra.cuda.gdc_launch_dependents()
 
 

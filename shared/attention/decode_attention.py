@@ -28,14 +28,7 @@ import torch
 
 from shared.attention import triton_unified_attention as unified
 from shared.attention.unified_attention_kernels import attend_kv_tiles, split_tile_range
-from shared.triton_utils import (
-    next_power_of_2,
-    pdl_launch,
-    pdl_release,
-    pdl_wait_and_release,
-    tl,
-    triton,
-)
+from shared.triton_utils import next_power_of_2, pdl_launch, pdl_wait_and_release, tl, triton
 
 
 @triton.jit
@@ -98,10 +91,7 @@ def decode_attention_kernel(
     DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
     PRELOAD: tl.constexpr,  # the first tile in registers before the PDL wait (see preload)
     USE_PDL: tl.constexpr = False,  # launched with programmatic dependent launch (sm_90+)
-    PDL_EARLY: tl.constexpr = False,  # release the next kernel first (PDL_EARLY_RELEASE)
 ):
-    if USE_PDL and PDL_EARLY:
-        pdl_release()
     req = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -122,7 +112,7 @@ def decode_attention_kernel(
         v0 = _kv_tile(value_cache_ptr, block_row, kv_head, tile_lo, first_end, stride_vb,
                       stride_vs, stride_vch, stride_vcd, BLOCK_D, HEAD_DIM, TILE_N, KV_BLOCK_SIZE)
     if USE_PDL:  # launched while the qkv GEMV that writes q, k and v drains
-        pdl_wait_and_release(PDL_EARLY)
+        pdl_wait_and_release()
     if not active:
         return
 
@@ -289,6 +279,6 @@ def decode_attention(
         MIN_TILES_PER_SPLIT=unified.MIN_TILES_PER_SPLIT, DOT_DTYPE=dot_dtype,
         DOT_PRECISION=unified.dot_precision_for(dot_dtype),
         PRELOAD=preload_first_tile(num_splits),
-        num_warps=cfg.num_warps, num_stages=NUM_STAGES, **pdl_launch(query, "attention"),
+        num_warps=cfg.num_warps, num_stages=NUM_STAGES, **pdl_launch(query),
     )
     unified.reduce_splits(output, partials, seq_lens, query_start_loc, cfg.tile_n, num_splits)

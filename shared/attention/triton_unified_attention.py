@@ -175,7 +175,7 @@ def reduce_splits(output: torch.Tensor, partials: tuple, seq_lens: torch.Tensor,
         output, *partials, seq_lens, query_start_loc, *output.stride(),
         HEAD_DIM=head_dim, BLOCK_D=max(16, next_power_of_2(head_dim)), TILE_N=tile_n,
         NUM_SPLITS=num_splits, BLOCK_S=next_power_of_2(num_splits),
-        MIN_TILES_PER_SPLIT=MIN_TILES_PER_SPLIT, num_warps=4, **pdl_launch(output, "reduce"),
+        MIN_TILES_PER_SPLIT=MIN_TILES_PER_SPLIT, num_warps=4, **pdl_launch(output),
     )
 
 

@@ -28,7 +28,7 @@ Padded rows (query length 0, seq_len 0) and padded tokens are never written.
 
 from __future__ import annotations
 
-from shared.triton_utils import pdl_release, pdl_wait_and_release, tl, triton
+from shared.triton_utils import pdl_wait_and_release, tl, triton
 
 
 @triton.jit
@@ -260,10 +260,7 @@ def reduce_splits_kernel(
     BLOCK_S: tl.constexpr,  # NUM_SPLITS rounded up to a power of 2
     MIN_TILES_PER_SPLIT: tl.constexpr,
     USE_PDL: tl.constexpr = False,  # launched with programmatic dependent launch (sm_90+)
-    PDL_EARLY: tl.constexpr = False,  # release the next kernel first (PDL_EARLY_RELEASE)
 ):
-    if USE_PDL and PDL_EARLY:
-        pdl_release()
     req = tl.program_id(0)
     head = tl.program_id(1)
     num_heads = tl.num_programs(1)
@@ -272,7 +269,7 @@ def reduce_splits_kernel(
     q_len = tl.load(query_start_loc_ptr + req + 1) - q_start
     seq_len = tl.load(seq_lens_ptr + req)
     if USE_PDL:  # launched while the attention kernel that wrote the partials drains
-        pdl_wait_and_release(PDL_EARLY)
+        pdl_wait_and_release()
     # Only single-query rows were split; padded rows (q_len 0) are never written.
     if (q_len != 1) | (seq_len <= 0):
         return

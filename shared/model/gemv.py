@@ -15,8 +15,7 @@ bandwidth from many programs in flight, and kernels 2 and 3 also from issuing th
 of tile k + 1 (k + 2) before they multiply tile k: on the H200, kernel 2 streams llama's
 down_proj at 94% of the read bandwidth against 89% for the best single-buffered config.
 None uses TMA. Under PDL a program loads its first weight tile before it waits for the
-previous kernel, unless its config says not to (preload 0); the buffered kernels can hold
-a head of several tiles across the wait (preload P > 1, a power of two). The ops around a
+previous kernel, unless its config says not to (preload 0). The ops around a
 GEMV ride along in its prologue or epilogue:
 
 - NORM prologue: RMSNorm of the input, folded into the dot product:
@@ -59,7 +58,7 @@ from shared.model.gemv_tiles import (
     x_tile_dot,
     x_tile_fma,
 )
-from shared.triton_utils import pdl_launch, pdl_release, pdl_wait_and_release, tl, triton
+from shared.triton_utils import pdl_launch, pdl_wait_and_release, tl, triton
 
 # Token counts up to this take the GEMV path. Measured (docs/results, h200_gemv.log): with
 # the M=1 configs a layer's fused GEMVs are only 1-3% faster than cuBLAS + separate kernels
@@ -114,12 +113,9 @@ def _gemv_kernel(
     HEAD_DIM: tl.constexpr,  # ROPE only
     NUM_ROPE_HEADS: tl.constexpr,  # ROPE: q + k heads (rotated); the v heads after are not
     USE_PDL: tl.constexpr = False,  # launched with programmatic dependent launch (sm_90+)
-    PRELOAD: tl.constexpr = 1,  # weight tiles loaded before the PDL wait (see fma_buffered)
+    PRELOAD: tl.constexpr = True,  # USE_PDL: load the first weight tile before the wait
     FMA_DEPTH: tl.constexpr = 0,  # FMA, M = 1: 2 or 3 weight tiles in flight (else 1)
-    PDL_EARLY: tl.constexpr = False,  # release the next kernel first (PDL_EARLY_RELEASE)
 ):
-    if USE_PDL and PDL_EARLY:
-        pdl_release()
     rows_a, rows_b, row_mask, head, dims = program_rows(
         tl.program_id(0), N_OUT, BLOCK_N, EPILOGUE, HEAD_DIM)
     PAIRED: tl.constexpr = EPILOGUE >= 2
@@ -132,12 +128,12 @@ def _gemv_kernel(
         acc_b = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
         sum_sq = tl.zeros([BLOCK_M], dtype=tl.float32)
         start = 0
-        if USE_PDL and PRELOAD == 0:
-            pdl_wait_and_release(PDL_EARLY)
-        if USE_PDL and PRELOAD > 0:
+        if USE_PDL and not PRELOAD:
+            pdl_wait_and_release()
+        if USE_PDL and PRELOAD:
             # The loop's first step, with the weight load moved ahead of the PDL wait.
             cols, col_mask, wa, wb = first_weights_then_wait(w_a, w_b, row_mask, K, BLOCK_K,
-                                                             PAIRED, PDL_EARLY)
+                                                             PAIRED)
             xt, sum_sq = x_tile_dot(x_ptr, w_ptr, norm_w_ptr, offs_m, stride_x, cols,
                                     col_mask, sum_sq, M, HAS_NORM)
             acc_a = dot_acc(wa, xt, acc_a, IEEE)
@@ -168,8 +164,7 @@ def _gemv_kernel(
         fma_buffered(x_ptr, w_a, w_b, norm_w_ptr, bias_ptr, residual_ptr, out_ptr,
                      positions_ptr, cos_sin_ptr, rows_a, rows_b, row_mask, head, dims,
                      stride_r, stride_o, stride_cs, eps, K, BLOCK_K, FMA_DEPTH, HAS_BIAS,
-                     HAS_NORM, EPILOGUE, HEAD_DIM, NUM_ROPE_HEADS, USE_PDL, PRELOAD,
-                     PDL_EARLY)
+                     HAS_NORM, EPILOGUE, HEAD_DIM, NUM_ROPE_HEADS, USE_PDL, PRELOAD)
     else:
         # FMAs per token: the weight tile is re-read (from L2) for every token after the
         # first, so this is for M = 1.
@@ -179,11 +174,11 @@ def _gemv_kernel(
             sum_sq = tl.zeros([BLOCK_K], dtype=tl.float32)
             x_row = x_ptr + m * stride_x
             start = 0
-            if USE_PDL and m == 0 and PRELOAD == 0:
-                pdl_wait_and_release(PDL_EARLY)
-            if USE_PDL and m == 0 and PRELOAD > 0:  # see the dot branch
+            if USE_PDL and m == 0 and not PRELOAD:
+                pdl_wait_and_release()
+            if USE_PDL and m == 0 and PRELOAD:  # see the dot branch
                 cols, col_mask, wa, wb = first_weights_then_wait(w_a, w_b, row_mask, K,
-                                                                 BLOCK_K, PAIRED, PDL_EARLY)
+                                                                 BLOCK_K, PAIRED)
                 x, sum_sq = x_tile_fma(x_row, norm_w_ptr, cols, col_mask, sum_sq, HAS_NORM)
                 acc_a += wa.to(tl.float32) * x[None, :]
                 if PAIRED:
@@ -197,7 +192,7 @@ def _gemv_kernel(
                 if PAIRED:
                     acc_b += (weight_tile(w_b, cols, row_mask, col_mask).to(tl.float32)
                               * x[None, :])
-            y_a, y_b = fma_row_sums(acc_a, acc_b, sum_sq, eps, K, HAS_NORM, False, 0.0, 0.0, 0.0)
+            y_a, y_b = fma_row_sums(acc_a, acc_b, sum_sq, eps, K, HAS_NORM)
             apply_epilogue(y_a, y_b, m, rows_a, rows_b, row_mask, head, dims,
                            bias_ptr, residual_ptr, out_ptr, positions_ptr, cos_sin_ptr,
                            stride_r, stride_o, stride_cs,
@@ -268,11 +263,6 @@ def gemv(
     key = config_key(epilogue, norm_weight is not None, rows, k, num_tokens, x.dtype)
     block_n, block_k, num_warps, num_stages, kernel, preload = _config_for(x, key, config)
     use_dot = kernel == 1
-    if preload > 1 and (kernel not in (2, 3) or num_tokens != 1):
-        preload = 1  # only the buffered one-token kernels hold a head of tiles
-    if preload > 1 and (preload & (preload - 1) or preload * block_k > k):
-        raise ValueError(f"GEMV config for {key}: preload {preload} must be a power of two "
-                         f"with preload * BLOCK_K ({block_k}) <= K ({k})")
     # kernels 2 and 3: that many weight tiles in flight, one token row only
     fma_depth = kernel if kernel in (2, 3) and num_tokens == 1 else 0
     if use_dot:
@@ -292,7 +282,7 @@ def gemv(
         assert residual.shape == out.shape and residual.stride(-1) == 1, residual.shape
     extra = {"num_warps": num_warps, "num_stages": num_stages} if x.is_cuda else {}
     # launched while the previous kernel drains where PDL is on; see pdl_wait_and_release
-    extra.update(pdl_launch(x, "gemv"))
+    extra.update(pdl_launch(x))
     _gemv_kernel[grid](
         x, weight, x if bias is None else bias, x if norm_weight is None else norm_weight,
         x if residual is None else residual, out,
@@ -302,7 +292,7 @@ def gemv(
         0 if cos_sin_cache is None else cos_sin_cache.stride(0),
         eps,
         K=k, M=num_tokens, BLOCK_N=block_n, BLOCK_K=block_k, USE_DOT=use_dot,
-        FMA_DEPTH=fma_depth, PRELOAD=preload,
+        FMA_DEPTH=fma_depth, PRELOAD=bool(preload),
         BLOCK_M=max(16, triton.next_power_of_2(num_tokens)), IEEE=x.dtype == torch.float32,
         HAS_BIAS=bias is not None, HAS_NORM=norm_weight is not None,
         EPILOGUE=_EPILOGUES[epilogue], HEAD_DIM=head_dim, NUM_ROPE_HEADS=num_rope_heads,

@@ -72,48 +72,26 @@ def fma_buffered(x_ptr, w_a, w_b, norm_w_ptr, bias_ptr, residual_ptr, out_ptr,
                  stride_r, stride_o, stride_cs, eps, K: tl.constexpr, BLOCK_K: tl.constexpr,
                  DEPTH: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_NORM: tl.constexpr,
                  EPILOGUE: tl.constexpr, HEAD_DIM: tl.constexpr,
-                 NUM_ROPE_HEADS: tl.constexpr, USE_PDL: tl.constexpr, PRELOAD: tl.constexpr,
-                 PDL_EARLY: tl.constexpr):
+                 NUM_ROPE_HEADS: tl.constexpr, USE_PDL: tl.constexpr, PRELOAD: tl.constexpr):
     """The FMA kernel for one token with DEPTH (2 or 3) weight tiles in registers: each
     step issues the loads of tile k + DEPTH - 1 before it multiplies tile k, so a program
     keeps DEPTH tiles in flight (the FMA loop is not software-pipelined: nothing of it goes
-    through shared memory). Steps past the last tile load nothing (all masked).
-
-    PRELOAD tiles are loaded before the PDL wait: 1 = the stream's first tile; P > 1 (a
-    power of two) = a head of P tiles, held in registers across the wait and multiplied
-    after it, the stream then starting at column P * BLOCK_K. The head is for a GEMV that
-    follows a kernel leaving SMs idle (o_proj after the attention chain): its programs,
-    resident early, fetch that much of their weight while the chain runs."""
+    through shared memory). Steps past the last tile load nothing (all masked)."""
     PAIRED: tl.constexpr = EPILOGUE >= 2
     BLOCK_N: tl.constexpr = rows_a.shape[0]
-    HEAD_K: tl.constexpr = PRELOAD * BLOCK_K if PRELOAD > 1 else 0
-    if HEAD_K > 0:
-        ha, hb = weight_tiles(w_a, w_b, 0, row_mask, K, HEAD_K, PAIRED)
-    if USE_PDL and PRELOAD == 0:
-        pdl_wait_and_release(PDL_EARLY)
-    wa, wb = weight_tiles(w_a, w_b, HEAD_K, row_mask, K, BLOCK_K, PAIRED)
-    if USE_PDL and PRELOAD > 0:
-        pdl_wait_and_release(PDL_EARLY)
-    y0_a = tl.zeros([BLOCK_N], dtype=tl.float32)
-    y0_b = tl.zeros([BLOCK_N], dtype=tl.float32)
-    sq0 = 0.0
-    if HEAD_K > 0:  # the held head, now that x is ready
-        # (names of their own: the compiler rejects a loop-carried name changing shape)
-        head_cols = tl.arange(0, HEAD_K)
-        x_head, sq_head = x_tile_fma(x_ptr, norm_w_ptr, head_cols, head_cols < K,
-                                     tl.zeros([HEAD_K], dtype=tl.float32), HAS_NORM)
-        y0_a = tl.sum(ha.to(tl.float32) * x_head[None, :], axis=1)
-        if PAIRED:
-            y0_b = tl.sum(hb.to(tl.float32) * x_head[None, :], axis=1)
-        sq0 = tl.sum(sq_head, axis=0)
+    if USE_PDL and not PRELOAD:
+        pdl_wait_and_release()
+    wa, wb = weight_tiles(w_a, w_b, 0, row_mask, K, BLOCK_K, PAIRED)
+    if USE_PDL and PRELOAD:
+        pdl_wait_and_release()
     wa1, wb1 = wa, wb  # DEPTH 3: tile 1 (loaded after the wait: one tile crosses it)
     if DEPTH == 3:
-        wa1, wb1 = weight_tiles(w_a, w_b, HEAD_K + BLOCK_K, row_mask, K, BLOCK_K, PAIRED)
+        wa1, wb1 = weight_tiles(w_a, w_b, BLOCK_K, row_mask, K, BLOCK_K, PAIRED)
     acc_a = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     acc_b = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     sum_sq = tl.zeros([BLOCK_K], dtype=tl.float32)
     AHEAD: tl.constexpr = (DEPTH - 1) * BLOCK_K
-    for k0 in range(HEAD_K + AHEAD, K + AHEAD, BLOCK_K):
+    for k0 in range(AHEAD, K + AHEAD, BLOCK_K):
         wa_next, wb_next = weight_tiles(w_a, w_b, k0, row_mask, K, BLOCK_K, PAIRED)
         cols = k0 - AHEAD + tl.arange(0, BLOCK_K)
         x, sum_sq = x_tile_fma(x_ptr, norm_w_ptr, cols, cols < K, sum_sq, HAS_NORM)
@@ -124,29 +102,20 @@ def fma_buffered(x_ptr, w_a, w_b, norm_w_ptr, bias_ptr, residual_ptr, out_ptr,
             wa, wb, wa1, wb1 = wa1, wb1, wa_next, wb_next
         else:
             wa, wb = wa_next, wb_next
-    y_a, y_b = fma_row_sums(acc_a, acc_b, sum_sq, eps, K, HAS_NORM, HEAD_K > 0, y0_a, y0_b,
-                            sq0)
+    y_a, y_b = fma_row_sums(acc_a, acc_b, sum_sq, eps, K, HAS_NORM)
     apply_epilogue(y_a, y_b, 0, rows_a, rows_b, row_mask, head, dims,
                    bias_ptr, residual_ptr, out_ptr, positions_ptr, cos_sin_ptr,
                    stride_r, stride_o, stride_cs, HAS_BIAS, EPILOGUE, HEAD_DIM, NUM_ROPE_HEADS)
 
 
 @triton.jit
-def fma_row_sums(acc_a, acc_b, sum_sq, eps, K: tl.constexpr, HAS_NORM: tl.constexpr,
-                 HAS_HEAD: tl.constexpr, y0_a, y0_b, sq0):
-    """The FMA kernels' [BLOCK_N, BLOCK_K] accumulators (plus, with HAS_HEAD, the partial
-    row sums y0_a, y0_b and sum of squares sq0 of a preloaded head) -> each row's dot
-    product, scaled by the input's rstd under NORM. (HAS_HEAD is a constexpr so that the
-    kernels without a head compile as before: adding 0.0 is not folded away.)"""
+def fma_row_sums(acc_a, acc_b, sum_sq, eps, K: tl.constexpr, HAS_NORM: tl.constexpr):
+    """The FMA kernels' [BLOCK_N, BLOCK_K] accumulators -> each row's dot product, scaled
+    by the input's rstd under NORM."""
     y_a = tl.sum(acc_a, axis=1)
     y_b = tl.sum(acc_b, axis=1)
-    total_sq = tl.sum(sum_sq, axis=0)
-    if HAS_HEAD:
-        y_a += y0_a
-        y_b += y0_b
-        total_sq += sq0
     if HAS_NORM:
-        rstd = tl.math.rsqrt(total_sq / K + eps)
+        rstd = tl.math.rsqrt(tl.sum(sum_sq, axis=0) / K + eps)
         y_a = y_a * rstd
         y_b = y_b * rstd
     return y_a, y_b
@@ -167,12 +136,12 @@ def weight_tiles(w_a, w_b, k0, row_mask, K: tl.constexpr, BLOCK_K: tl.constexpr,
 
 @triton.jit
 def first_weights_then_wait(w_a, w_b, row_mask, K: tl.constexpr, BLOCK_K: tl.constexpr,
-                            PAIRED: tl.constexpr, PDL_EARLY: tl.constexpr):
+                            PAIRED: tl.constexpr):
     """Under PDL: the first K tile of the weights (they never depend on the kernel before),
     then the wait for that kernel's output. Returns the tile's columns, their mask and the
     weight tiles (wb is wa when not PAIRED)."""
     wa, wb = weight_tiles(w_a, w_b, 0, row_mask, K, BLOCK_K, PAIRED)
-    pdl_wait_and_release(PDL_EARLY)
+    pdl_wait_and_release()
     cols = tl.arange(0, BLOCK_K)
     return cols, cols < K, wa, wb
 

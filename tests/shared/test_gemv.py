@@ -106,16 +106,11 @@ def test_rope_epilogue_matches_transformers(head_dim, config):
 
 
 @pytest.mark.parametrize("config", [(8, 64, 4, 1, 2), (4, 128, 4, 1, 2), (16, 32, 2, 1, 2),
-                                    (8, 64, 4, 1, 3), (4, 32, 4, 1, 3, 0), (16, 128, 2, 1, 3),
-                                    # a preloaded head of 2, 4 or 8 tiles before the stream
-                                    (8, 64, 4, 1, 2, 2), (4, 32, 4, 1, 3, 4),
-                                    (16, 32, 2, 1, 2, 8), (8, 128, 4, 1, 3, 2)])
+                                    (8, 64, 4, 1, 3), (4, 32, 4, 1, 3, 0), (16, 128, 2, 1, 3)])
 def test_buffered_fma_one_token(config):
     """Kernels 2 and 3 (one token row) against independent oracles for every epilogue, on
     a K that leaves a partial last tile (so the steps past the end load nothing); with
-    BLOCK_K 128 kernel 3's second tile is already past K. With a head (preload > 1) the
-    stream starts after it: at 128 or 256 of K = 300, and with (8, 128, ..., 3, 2) both
-    of kernel 3's first stream tiles are partial or past K."""
+    BLOCK_K 128 kernel 3's second tile is already past K."""
     k, eps, head_dim, num_heads, num_kv_heads = 300, 1e-5, 16, 4, 2
     x, g = _randn(1, k, seed=20, scale=2.0), 1.0 + 0.2 * _randn(k, seed=21)
     w, r = _randn(70, k, seed=22, scale=0.1), _randn(1, 70, seed=23)
@@ -134,16 +129,6 @@ def test_buffered_fma_one_token(config):
     ref = _rope_ref(F.linear(_rms(x, g, eps), w), positions, rope.cos_sin_cache, num_heads,
                     num_kv_heads, head_dim)
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
-
-
-def test_preload_head_must_fit_and_be_a_power_of_two():
-    x, w = torch.zeros(1, 300), torch.zeros(8, 300)
-    with pytest.raises(ValueError, match="preload 3 must be a power of two"):
-        gemv.gemv(x, w, config=(8, 64, 4, 1, 2, 3))
-    with pytest.raises(ValueError, match="preload 8 must be"):
-        gemv.gemv(x, w, config=(8, 64, 4, 1, 2, 8))  # 512 columns > K
-    # the unbuffered kernels take a head count as "the first tile": no error, same result
-    torch.testing.assert_close(gemv.gemv(x, w, config=(8, 64, 4, 1, 0, 8)), torch.zeros(1, 8))
 
 
 def test_dispatch_rule(monkeypatch):
@@ -286,19 +271,9 @@ def test_gpu_pdl_chain_in_a_graph_matches_plain_launches(monkeypatch):
         act = gemv.gemv(h, w_gu, norm_weight=g, eps=1e-5, epilogue="silu")
         return gemv.gemv(act, w_d, epilogue="residual", residual=h)
 
-    # o_proj's key; its head of 8 tiles sums in another order, so that run is only close
-    o_key = gemv.config_key("residual", False, hidden, 4096, 1, bf16)
-    o_head = tuple(gemv._config_for(x, o_key, None)[:5]) + (4096 // 512,)
     results = {}
-    for run, pdl, early, overrides in [("plain", False, frozenset(), {}),
-                                       ("pdl", True, frozenset(), {}),
-                                       ("early", True, frozenset({"gemv"}), {}),
-                                       ("head", True, frozenset({"gemv"}), {o_key: o_head})]:
+    for pdl in (False, True):
         monkeypatch.setattr(triton_utils, "PDL_ENABLED", pdl)
-        monkeypatch.setattr(triton_utils, "PDL_EARLY_RELEASE", early)
-        monkeypatch.setattr(gemv, "CONFIG_OVERRIDES", overrides)
-        if run == "head":
-            assert o_head[1] == 512, o_head  # the table's BLOCK_K for o_proj
         layer()
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
@@ -306,8 +281,6 @@ def test_gpu_pdl_chain_in_a_graph_matches_plain_launches(monkeypatch):
             out = layer()
         graph.replay()
         torch.cuda.synchronize()
-        results[run] = out.clone()
-    assert torch.equal(results["pdl"], results["plain"])
-    assert torch.equal(results["early"], results["plain"])
-    torch.testing.assert_close(results["head"], results["plain"], rtol=2e-2, atol=2e-2)
-    assert results["plain"].float().std() > 0.1
+        results[pdl] = out.clone()
+    assert torch.equal(results[True], results[False])
+    assert results[True].float().std() > 0.1
