@@ -48,7 +48,9 @@ class Sampler:
             # widens exactly, so it would pick the same index; skipping it (and the
             # positions, which only seed random rows) takes two kernels off the step.
             return SamplerOutput(greedy_argmax(logits), None, None, None)
-        assert positions is not None and positions.shape == (logits.shape[0],)
+        # greedy rows never read their positions (sample() returns before the noise)
+        assert metadata.all_greedy or (positions is not None
+                                       and positions.shape == (logits.shape[0],))
         raw = logits.to(compute_dtype(logits))
         x = apply_penalties(raw, metadata)
         x = apply_min_tokens(x, metadata)

@@ -291,6 +291,10 @@ def test_plain_greedy_needs_no_positions_and_matches_numpy(dtype):
     expected = np.argmax(logits.float().numpy(), axis=1)
     assert out.sampled_token_ids.tolist() == expected.tolist()
     assert out.sampled_token_ids[2].item() == 9 and out.logprobs is None
+    # greedy with logprobs takes the full path, still without positions
+    with_logprobs = Sampler()(logits, replace(md, max_num_logprobs=2), None)
+    assert with_logprobs.sampled_token_ids.tolist() == expected.tolist()
+    assert with_logprobs.logprobs is not None
     # with a random row in the batch the positions are required again
     mixed = replace(md, all_greedy=False)
     with pytest.raises(AssertionError):
