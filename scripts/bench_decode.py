@@ -45,10 +45,6 @@ PREVIOUS_LLAMA_GEMV = {
     "silu+norm:28672x4096:m1:bfloat16": (32, 256, 4, 2, 0),
     "residual:4096x14336:m1:bfloat16": (32, 512, 4, 5, 1),
 }
-LLAMA_GEMV_KEYS = {  # the layer GEMVs the "xaheadW" modes change
-    "q": "rope+norm:6144x4096:m1:bfloat16", "o": "residual:4096x4096:m1:bfloat16",
-    "g": "silu+norm:28672x4096:m1:bfloat16", "d": "residual:4096x14336:m1:bfloat16",
-}
 LLAMA_RUNNERS = ("v1-cublas", "v1-nopdl", "v1-nofusedkv", "v1", "v2", "v2-async")
 
 
@@ -69,9 +65,6 @@ def make_engine(model: str, runner: str, eager: bool, max_num_seqs: int, sizes: 
       triton_backend.num_splits_for);
     - "prevgemv": llama's four layer GEMVs with the configs of the table before
       bench_gemv_variants (PREVIOUS_LLAMA_GEMV);
-    - "xahead" / "xaheadW" (W letters of q, o, g, d): the table's configs with the input
-      tile loaded a step ahead (x_ahead 1) for all four layer GEMVs / qkv, o_proj, gate_up,
-      down;
     - "noattn" (a diagnostic, its tokens are wrong): every attention layer returns its q
       unchanged, launching nothing, so the row prices the attention's share of the step.
     E.g. "v1-cublas+nopdl"."""
@@ -81,18 +74,13 @@ def make_engine(model: str, runner: str, eager: bool, max_num_seqs: int, sizes: 
     modes = set(mode.split("+")) - {""}
     numbered = {m: (g[1], int(g[2])) for m in modes
                 if (g := re.fullmatch(r"attn(min|tile|warps|stages|splits)(\d+)", m))}
-    xahead = {m for m in modes if re.fullmatch(r"xahead[qogd]*", m)}
     unknown = (modes - {"async", "cublas", "nopdl", "nofusedkv", "fusedkv", "preload",
-                        "nopreload", "noattn", "prevgemv"} - set(numbered) - xahead)
+                        "nopreload", "noattn", "prevgemv"} - set(numbered))
     if unknown:
         raise ValueError(f"bench_decode --rows: unknown mode(s) {sorted(unknown)} in {runner}-{mode}")
     gemv.ENABLED = "cublas" not in modes
     if "prevgemv" in modes:
         gemv.CONFIG_OVERRIDES.update(PREVIOUS_LLAMA_GEMV)
-    for which in "".join(m[len("xahead"):] or "qogd" for m in xahead):
-        key = LLAMA_GEMV_KEYS[which]
-        config = gemv._config_for(torch.empty(1, device="cuda"), key, None)
-        gemv.CONFIG_OVERRIDES[key] = tuple(config[:6]) + (1,)
     if "noattn" in modes:
         Attention.forward = lambda self, q, k, v: q
     triton_utils.PDL_ENABLED = "nopdl" not in modes

@@ -8,7 +8,7 @@ that were tuned and measured on the H200 unchanged, so their numbers still hold:
   python3 scripts/gemv_ptx_fingerprint.py > after.json && diff before.json after.json
 
 Variants: the launch configs of the llama-3-8b table plus odd ones (more tokens, bias, an
-unaligned K, the input tile loaded ahead), each in bf16 and float32, with and without programmatic dependent launch.
+unaligned K), each in bf16 and float32, with and without programmatic dependent launch.
 Compiled as a launch specialises them (16-byte aligned pointers, strides divisible by 16);
 debug info and line markers are dropped, so moving code between lines changes nothing.
 """
@@ -49,24 +49,19 @@ VARIANTS = [
     ("fma_3_tokens", 0, "silu", 16, 256, 2, 4, 4096, 3, False),
     ("dot_8_tokens_rope", 1, "rope", 16, 256, 3, 4, 4096, 8, False),
     ("fma_bias_odd_k", 0, "none", 16, 256, 2, 4, 1000, 2, True),
-    # the input's tile loaded a step ahead (x_ahead)
-    ("qkv_x_ahead", 2, "rope", 4, 256, 1, 4, 4096, 1, False, 1, 1),
-    ("gate_up_x_ahead", 2, "silu", 8, 128, 1, 4, 4096, 1, False, 1, 1),
-    ("fma3_down_x_ahead", 3, "residual", 8, 512, 1, 8, 14336, 1, False, 1, 1),
 ]
 _SIGNATURE = inspect.signature(gemv._gemv_kernel.fn)
 POINTERS = ("x_ptr", "w_ptr", "bias_ptr", "norm_w_ptr", "residual_ptr", "out_ptr")
 
 
 def fingerprint(name, kernel, epilogue, block_n, block_k, stages, warps, k, m, bias,
-                preload=1, x_ahead=0, *, pdl, dtype) -> str:
+                preload=1, *, pdl, dtype) -> str:
     const = dict(
         K=k, M=m, BLOCK_N=block_n, BLOCK_K=block_k, USE_DOT=kernel == 1, BLOCK_M=16,
         FMA_DEPTH=kernel if kernel in (2, 3) and m == 1 else 0, PRELOAD=bool(preload),
         IEEE=dtype == "fp32", HAS_BIAS=bias, HAS_NORM=epilogue in ("silu", "rope"),
         EPILOGUE=gemv._EPILOGUES[epilogue], HEAD_DIM=128 if epilogue == "rope" else 0,
         NUM_ROPE_HEADS=40 if epilogue == "rope" else 0, USE_PDL=pdl,
-        X_AHEAD=bool(x_ahead) and kernel in (2, 3) and m == 1,
     )
     # Constexprs with defaults: as a launch that does not pass them fills them in.
     const.update({name: p.default for name, p in _SIGNATURE.parameters.items()

@@ -34,9 +34,8 @@ and nothing is read back to the host: CUDA-graph capturable. The launch configur
 scripts/bench_gemv.py (each shape alone), then for llama-3-8b's four layer GEMVs by
 scripts/tune_gemv_in_step.py (inside the decode step; bench_gemv_variants.py, which times
 them in a chain, can write too): measured, not guessed; shapes it lacks get a default.
-A config is (BLOCK_N, BLOCK_K, num_warps, num_stages[, kernel[, preload[, x_ahead]]]),
-kernel 0 by default, preload 1 and x_ahead 0 (1: kernels 2 and 3 also load the input's
-tile a step ahead).
+A config is (BLOCK_N, BLOCK_K, num_warps, num_stages[, kernel[, preload]]), kernel 0 by
+default and preload 1.
 """
 
 from __future__ import annotations
@@ -116,7 +115,6 @@ def _gemv_kernel(
     USE_PDL: tl.constexpr = False,  # launched with programmatic dependent launch (sm_90+)
     PRELOAD: tl.constexpr = True,  # USE_PDL: load the first weight tile before the wait
     FMA_DEPTH: tl.constexpr = 0,  # FMA, M = 1: 2 or 3 weight tiles in flight (else 1)
-    X_AHEAD: tl.constexpr = False,  # FMA_DEPTH > 1: the input tile loaded a step ahead too
 ):
     rows_a, rows_b, row_mask, head, dims = program_rows(
         tl.program_id(0), N_OUT, BLOCK_N, EPILOGUE, HEAD_DIM)
@@ -166,7 +164,7 @@ def _gemv_kernel(
         fma_buffered(x_ptr, w_a, w_b, norm_w_ptr, bias_ptr, residual_ptr, out_ptr,
                      positions_ptr, cos_sin_ptr, rows_a, rows_b, row_mask, head, dims,
                      stride_r, stride_o, stride_cs, eps, K, BLOCK_K, FMA_DEPTH, HAS_BIAS,
-                     HAS_NORM, EPILOGUE, HEAD_DIM, NUM_ROPE_HEADS, USE_PDL, PRELOAD, X_AHEAD)
+                     HAS_NORM, EPILOGUE, HEAD_DIM, NUM_ROPE_HEADS, USE_PDL, PRELOAD)
     else:
         # FMAs per token: the weight tile is re-read (from L2) for every token after the
         # first, so this is for M = 1.
@@ -220,7 +218,7 @@ def config_key(epilogue: str, has_norm: bool, rows: int, k: int, m: int,
     return f"{epilogue}{'+norm' if has_norm else ''}:{rows}x{k}:m{m}:{str(dtype)[6:]}"
 
 
-def _config_for(x: torch.Tensor, key: str, override) -> tuple[int, ...]:
+def _config_for(x: torch.Tensor, key: str, override) -> tuple[int, int, int, int, int, int]:
     if override is not None:
         config = tuple(override)
     elif key in CONFIG_OVERRIDES:
@@ -231,8 +229,7 @@ def _config_for(x: torch.Tensor, key: str, override) -> tuple[int, ...]:
         table = _config_table(_device_name(x.device.index or 0))
         config = tuple(table.get(key, _DEFAULT_CONFIG))
     config = config + (0,) * (5 - len(config))  # 4-tuples: the FMA kernel
-    config = config + (1,) * (6 - len(config))  # preload by default
-    return config + (0,) * (7 - len(config))  # the input tile not ahead by default
+    return config + (1,) * (6 - len(config))  # preload by default
 
 
 def gemv(
@@ -248,7 +245,7 @@ def gemv(
     cos_sin_cache: torch.Tensor | None = None,  # [max_position, head_dim] (ROPE)
     head_dim: int = 0,  # ROPE
     num_rope_heads: int = 0,  # ROPE: leading heads to rotate (q and k)
-    config: tuple | None = None,  # (BLOCK_N, BLOCK_K, warps, stages[, kernel[, preload[, x_ahead]]])
+    config: tuple | None = None,  # (BLOCK_N, BLOCK_K, warps, stages[, kernel[, preload]])
 ) -> torch.Tensor:
     """out = epilogue(norm?(x) @ weight.T + bias): [M, rows], or [M, rows / 2] for SILU.
     One launch."""
@@ -264,7 +261,7 @@ def gemv(
     if num_tokens == 0:
         return out
     key = config_key(epilogue, norm_weight is not None, rows, k, num_tokens, x.dtype)
-    block_n, block_k, num_warps, num_stages, kernel, preload, x_ahead = _config_for(x, key, config)
+    block_n, block_k, num_warps, num_stages, kernel, preload = _config_for(x, key, config)
     use_dot = kernel == 1
     # kernels 2 and 3: that many weight tiles in flight, one token row only
     fma_depth = kernel if kernel in (2, 3) and num_tokens == 1 else 0
@@ -295,7 +292,7 @@ def gemv(
         0 if cos_sin_cache is None else cos_sin_cache.stride(0),
         eps,
         K=k, M=num_tokens, BLOCK_N=block_n, BLOCK_K=block_k, USE_DOT=use_dot,
-        FMA_DEPTH=fma_depth, PRELOAD=bool(preload), X_AHEAD=bool(x_ahead) and fma_depth > 1,
+        FMA_DEPTH=fma_depth, PRELOAD=bool(preload),
         BLOCK_M=max(16, triton.next_power_of_2(num_tokens)), IEEE=x.dtype == torch.float32,
         HAS_BIAS=bias is not None, HAS_NORM=norm_weight is not None,
         EPILOGUE=_EPILOGUES[epilogue], HEAD_DIM=head_dim, NUM_ROPE_HEADS=num_rope_heads,

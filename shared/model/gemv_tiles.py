@@ -72,14 +72,11 @@ def fma_buffered(x_ptr, w_a, w_b, norm_w_ptr, bias_ptr, residual_ptr, out_ptr,
                  stride_r, stride_o, stride_cs, eps, K: tl.constexpr, BLOCK_K: tl.constexpr,
                  DEPTH: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_NORM: tl.constexpr,
                  EPILOGUE: tl.constexpr, HEAD_DIM: tl.constexpr,
-                 NUM_ROPE_HEADS: tl.constexpr, USE_PDL: tl.constexpr, PRELOAD: tl.constexpr,
-                 X_AHEAD: tl.constexpr):
+                 NUM_ROPE_HEADS: tl.constexpr, USE_PDL: tl.constexpr, PRELOAD: tl.constexpr):
     """The FMA kernel for one token with DEPTH (2 or 3) weight tiles in registers: each
     step issues the loads of tile k + DEPTH - 1 before it multiplies tile k, so a program
     keeps DEPTH tiles in flight (the FMA loop is not software-pipelined: nothing of it goes
-    through shared memory). Steps past the last tile load nothing (all masked). With
-    X_AHEAD the input's tile (and the norm weight's) is loaded one step ahead too, so a
-    step does not wait on an L1/L2 round trip for x; the arithmetic is the same."""
+    through shared memory). Steps past the last tile load nothing (all masked)."""
     PAIRED: tl.constexpr = EPILOGUE >= 2
     BLOCK_N: tl.constexpr = rows_a.shape[0]
     if USE_PDL and not PRELOAD:
@@ -94,19 +91,10 @@ def fma_buffered(x_ptr, w_a, w_b, norm_w_ptr, bias_ptr, residual_ptr, out_ptr,
     acc_b = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     sum_sq = tl.zeros([BLOCK_K], dtype=tl.float32)
     AHEAD: tl.constexpr = (DEPTH - 1) * BLOCK_K
-    if X_AHEAD:
-        first = tl.arange(0, BLOCK_K)
-        xr, gr = x_tile_raw(x_ptr, norm_w_ptr, first, first < K, HAS_NORM)
     for k0 in range(AHEAD, K + AHEAD, BLOCK_K):
         wa_next, wb_next = weight_tiles(w_a, w_b, k0, row_mask, K, BLOCK_K, PAIRED)
         cols = k0 - AHEAD + tl.arange(0, BLOCK_K)
-        if X_AHEAD:
-            ahead = cols + BLOCK_K
-            xr_next, gr_next = x_tile_raw(x_ptr, norm_w_ptr, ahead, ahead < K, HAS_NORM)
-            x, sum_sq = x_from_raw(xr, gr, sum_sq, HAS_NORM)
-            xr, gr = xr_next, gr_next
-        else:
-            x, sum_sq = x_tile_fma(x_ptr, norm_w_ptr, cols, cols < K, sum_sq, HAS_NORM)
+        x, sum_sq = x_tile_fma(x_ptr, norm_w_ptr, cols, cols < K, sum_sq, HAS_NORM)
         acc_a += wa.to(tl.float32) * x[None, :]
         if PAIRED:
             acc_b += wb.to(tl.float32) * x[None, :]
@@ -171,26 +159,6 @@ def x_tile_fma(x_row, norm_w_ptr, cols, col_mask, sum_sq, HAS_NORM: tl.constexpr
     if HAS_NORM:
         sum_sq += x * x
         x = x * tl.load(norm_w_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
-    return x, sum_sq
-
-
-@triton.jit
-def x_tile_raw(x_row, norm_w_ptr, cols, col_mask, HAS_NORM: tl.constexpr):
-    """x_tile_fma's loads alone, as stored (the norm weight's only under NORM)."""
-    x = tl.load(x_row + cols, mask=col_mask, other=0.0)
-    g = x
-    if HAS_NORM:
-        g = tl.load(norm_w_ptr + cols, mask=col_mask, other=0.0)
-    return x, g
-
-
-@triton.jit
-def x_from_raw(x, g, sum_sq, HAS_NORM: tl.constexpr):
-    """x_tile_fma's arithmetic on x_tile_raw's tiles: the same float32 values."""
-    x = x.to(tl.float32)
-    if HAS_NORM:
-        sum_sq += x * x
-        x = x * g.to(tl.float32)
     return x, sum_sq
 
 
