@@ -37,6 +37,7 @@ from shared.model import gemv
 
 _ATTENTION_FORWARD = Attention.forward
 _NUM_SPLITS_FOR = triton_backend.num_splits_for
+_WEIGHT_LOAD_HINT = gemv.WEIGHT_LOAD_HINT
 # The H200 table's llama-3-8b layer GEMV configs before bench_gemv_variants replaced them
 # (commit 23d3906): the "prevgemv" mode runs them side by side with the current table.
 PREVIOUS_LLAMA_GEMV = {
@@ -65,6 +66,7 @@ def make_engine(model: str, runner: str, eager: bool, max_num_seqs: int, sizes: 
       triton_backend.num_splits_for);
     - "prevgemv": llama's four layer GEMVs with the configs of the table before
       bench_gemv_variants (PREVIOUS_LLAMA_GEMV);
+    - "hintN": every GEMV's weight loads with cache hint N (gemv.WEIGHT_LOAD_HINT);
     - "noattn" (a diagnostic, its tokens are wrong): every attention layer returns its q
       unchanged, launching nothing, so the row prices the attention's share of the step.
     E.g. "v1-cublas+nopdl"."""
@@ -74,11 +76,14 @@ def make_engine(model: str, runner: str, eager: bool, max_num_seqs: int, sizes: 
     modes = set(mode.split("+")) - {""}
     numbered = {m: (g[1], int(g[2])) for m in modes
                 if (g := re.fullmatch(r"attn(min|tile|warps|stages|splits)(\d+)", m))}
+    hints = [int(m[4:]) for m in modes if re.fullmatch(r"hint\d", m)]
     unknown = (modes - {"async", "cublas", "nopdl", "nofusedkv", "fusedkv", "preload",
-                        "nopreload", "noattn", "prevgemv"} - set(numbered))
+                        "nopreload", "noattn", "prevgemv"} - set(numbered)
+               - {f"hint{h}" for h in hints})
     if unknown:
         raise ValueError(f"bench_decode --rows: unknown mode(s) {sorted(unknown)} in {runner}-{mode}")
     gemv.ENABLED = "cublas" not in modes
+    gemv.WEIGHT_LOAD_HINT = hints[0] if hints else _WEIGHT_LOAD_HINT
     if "prevgemv" in modes:
         gemv.CONFIG_OVERRIDES.update(PREVIOUS_LLAMA_GEMV)
     if "noattn" in modes:
@@ -114,6 +119,7 @@ _ATTENTION_DEFAULTS = {knob: getattr(*where) for knob, where in _ATTENTION_KNOBS
 def reset_switches() -> None:
     """The module switches make_engine's modes flip, back to their defaults."""
     gemv.ENABLED = triton_utils.PDL_ENABLED = True
+    gemv.WEIGHT_LOAD_HINT = _WEIGHT_LOAD_HINT
     gemv.CONFIG_OVERRIDES.clear()
     Attention.forward = _ATTENTION_FORWARD
     triton_backend.FUSED_DECODE_KV_WRITE = "auto"

@@ -72,7 +72,8 @@ def fma_buffered(x_ptr, w_a, w_b, norm_w_ptr, bias_ptr, residual_ptr, out_ptr,
                  stride_r, stride_o, stride_cs, eps, K: tl.constexpr, BLOCK_K: tl.constexpr,
                  DEPTH: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_NORM: tl.constexpr,
                  EPILOGUE: tl.constexpr, HEAD_DIM: tl.constexpr,
-                 NUM_ROPE_HEADS: tl.constexpr, USE_PDL: tl.constexpr, PRELOAD: tl.constexpr):
+                 NUM_ROPE_HEADS: tl.constexpr, USE_PDL: tl.constexpr, PRELOAD: tl.constexpr,
+                 HINT: tl.constexpr = 0):
     """The FMA kernel for one token with DEPTH (2 or 3) weight tiles in registers: each
     step issues the loads of tile k + DEPTH - 1 before it multiplies tile k, so a program
     keeps DEPTH tiles in flight (the FMA loop is not software-pipelined: nothing of it goes
@@ -81,18 +82,18 @@ def fma_buffered(x_ptr, w_a, w_b, norm_w_ptr, bias_ptr, residual_ptr, out_ptr,
     BLOCK_N: tl.constexpr = rows_a.shape[0]
     if USE_PDL and not PRELOAD:
         pdl_wait_and_release()
-    wa, wb = weight_tiles(w_a, w_b, 0, row_mask, K, BLOCK_K, PAIRED)
+    wa, wb = weight_tiles(w_a, w_b, 0, row_mask, K, BLOCK_K, PAIRED, HINT)
     if USE_PDL and PRELOAD:
         pdl_wait_and_release()
     wa1, wb1 = wa, wb  # DEPTH 3: tile 1 (loaded after the wait: one tile crosses it)
     if DEPTH == 3:
-        wa1, wb1 = weight_tiles(w_a, w_b, BLOCK_K, row_mask, K, BLOCK_K, PAIRED)
+        wa1, wb1 = weight_tiles(w_a, w_b, BLOCK_K, row_mask, K, BLOCK_K, PAIRED, HINT)
     acc_a = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     acc_b = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     sum_sq = tl.zeros([BLOCK_K], dtype=tl.float32)
     AHEAD: tl.constexpr = (DEPTH - 1) * BLOCK_K
     for k0 in range(AHEAD, K + AHEAD, BLOCK_K):
-        wa_next, wb_next = weight_tiles(w_a, w_b, k0, row_mask, K, BLOCK_K, PAIRED)
+        wa_next, wb_next = weight_tiles(w_a, w_b, k0, row_mask, K, BLOCK_K, PAIRED, HINT)
         cols = k0 - AHEAD + tl.arange(0, BLOCK_K)
         x, sum_sq = x_tile_fma(x_ptr, norm_w_ptr, cols, cols < K, sum_sq, HAS_NORM)
         acc_a += wa.to(tl.float32) * x[None, :]
@@ -123,34 +124,43 @@ def fma_row_sums(acc_a, acc_b, sum_sq, eps, K: tl.constexpr, HAS_NORM: tl.conste
 
 @triton.jit
 def weight_tiles(w_a, w_b, k0, row_mask, K: tl.constexpr, BLOCK_K: tl.constexpr,
-                 PAIRED: tl.constexpr):
+                 PAIRED: tl.constexpr, HINT: tl.constexpr = 0):
     """Columns [k0, k0 + BLOCK_K) of the program's rows (wb is wa when not PAIRED)."""
     cols = k0 + tl.arange(0, BLOCK_K)
     col_mask = cols < K
-    wa = weight_tile(w_a, cols, row_mask, col_mask)
+    wa = weight_tile(w_a, cols, row_mask, col_mask, HINT)
     wb = wa
     if PAIRED:
-        wb = weight_tile(w_b, cols, row_mask, col_mask)
+        wb = weight_tile(w_b, cols, row_mask, col_mask, HINT)
     return wa, wb
 
 
 @triton.jit
 def first_weights_then_wait(w_a, w_b, row_mask, K: tl.constexpr, BLOCK_K: tl.constexpr,
-                            PAIRED: tl.constexpr):
+                            PAIRED: tl.constexpr, HINT: tl.constexpr = 0):
     """Under PDL: the first K tile of the weights (they never depend on the kernel before),
     then the wait for that kernel's output. Returns the tile's columns, their mask and the
     weight tiles (wb is wa when not PAIRED)."""
-    wa, wb = weight_tiles(w_a, w_b, 0, row_mask, K, BLOCK_K, PAIRED)
+    wa, wb = weight_tiles(w_a, w_b, 0, row_mask, K, BLOCK_K, PAIRED, HINT)
     pdl_wait_and_release()
     cols = tl.arange(0, BLOCK_K)
     return cols, cols < K, wa, wb
 
 
 @triton.jit
-def weight_tile(w_rows, cols, row_mask, col_mask):
-    """[BLOCK_N, len(cols)] of the weight: w_rows points at each row's first element."""
-    return tl.load(w_rows + cols[None, :], mask=row_mask[:, None] & col_mask[None, :], other=0.0)
-
+def weight_tile(w_rows, cols, row_mask, col_mask, HINT: tl.constexpr = 0):
+    """[BLOCK_N, len(cols)] of the weight: w_rows points at each row's first element.
+    HINT (WEIGHT_LOAD_HINT): 0 none; 1 evict-first from L2 (a weight is read once per
+    step, so it should not push out the activations, partials and KV that the next
+    kernels read back); 2 cached in L2 only (.cg). (".cs", read-once streaming, is not
+    accepted by the GPU machine's Triton 3.6.)"""
+    mask = row_mask[:, None] & col_mask[None, :]
+    if HINT == 1:
+        return tl.load(w_rows + cols[None, :], mask=mask, other=0.0,
+                       eviction_policy="evict_first")
+    if HINT == 2:
+        return tl.load(w_rows + cols[None, :], mask=mask, other=0.0, cache_modifier=".cg")
+    return tl.load(w_rows + cols[None, :], mask=mask, other=0.0)
 
 @triton.jit
 def x_tile_fma(x_row, norm_w_ptr, cols, col_mask, sum_sq, HAS_NORM: tl.constexpr):
