@@ -38,7 +38,6 @@ from shared.model import gemv
 _ATTENTION_FORWARD = Attention.forward
 _NUM_SPLITS_FOR = triton_backend.num_splits_for
 _WEIGHT_LOAD_HINT = gemv.WEIGHT_LOAD_HINT
-_JOIN_SPLITS = decode_attention.JOIN_SPLITS
 # The H200 table's llama-3-8b layer GEMV configs before bench_gemv_variants replaced them
 # (commit 23d3906): the "prevgemv" mode runs them side by side with the current table.
 PREVIOUS_LLAMA_GEMV = {
@@ -68,8 +67,6 @@ def make_engine(model: str, runner: str, eager: bool, max_num_seqs: int, sizes: 
     - "prevgemv": llama's four layer GEMVs with the configs of the table before
       bench_gemv_variants (PREVIOUS_LLAMA_GEMV);
     - "hintN": every GEMV's weight loads with cache hint N (gemv.WEIGHT_LOAD_HINT);
-    - "join" / "nojoin": the fused decode attention's last split merges the KV splits / the
-      split reduce kernel does (decode_attention.JOIN_SPLITS);
     - "noattn" (a diagnostic, its tokens are wrong): every attention layer returns its q
       unchanged, launching nothing, so the row prices the attention's share of the step.
     E.g. "v1-cublas+nopdl"."""
@@ -81,7 +78,7 @@ def make_engine(model: str, runner: str, eager: bool, max_num_seqs: int, sizes: 
                 if (g := re.fullmatch(r"attn(min|tile|warps|stages|splits)(\d+)", m))}
     hints = [int(m[4:]) for m in modes if re.fullmatch(r"hint\d", m)]
     unknown = (modes - {"async", "cublas", "nopdl", "nofusedkv", "fusedkv", "preload",
-                        "nopreload", "noattn", "prevgemv", "join", "nojoin"} - set(numbered)
+                        "nopreload", "noattn", "prevgemv"} - set(numbered)
                - {f"hint{h}" for h in hints})
     if unknown:
         raise ValueError(f"bench_decode --rows: unknown mode(s) {sorted(unknown)} in {runner}-{mode}")
@@ -96,7 +93,6 @@ def make_engine(model: str, runner: str, eager: bool, max_num_seqs: int, sizes: 
                                             else "always" if "fusedkv" in modes else "auto")
     decode_attention.PRELOAD_FIRST_TILE = (True if "preload" in modes
                                            else False if "nopreload" in modes else None)
-    decode_attention.JOIN_SPLITS = ("join" in modes or _JOIN_SPLITS) and "nojoin" not in modes
     for knob, n in numbered.values():
         if knob == "splits":  # every decode launch gets n KV splits, whatever its batch
             triton_backend.num_splits_for = lambda *_, n=n: n
@@ -131,7 +127,6 @@ def reset_switches() -> None:
         setattr(*_ATTENTION_KNOBS[knob], value)
     triton_backend.num_splits_for = _NUM_SPLITS_FOR
     decode_attention.PRELOAD_FIRST_TILE = None
-    decode_attention.JOIN_SPLITS = _JOIN_SPLITS
 
 
 def free(engine: LLMEngine) -> None:

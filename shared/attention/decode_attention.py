@@ -27,12 +27,7 @@ from __future__ import annotations
 import torch
 
 from shared.attention import triton_unified_attention as unified
-from shared.attention.split_join import MAX_COUNTERS, join_splits, split_counters
-from shared.attention.unified_attention_kernels import (
-    attend_kv_tiles,
-    split_tile_range,
-    tiles_per_split,
-)
+from shared.attention.unified_attention_kernels import attend_kv_tiles, split_tile_range
 from shared.triton_utils import next_power_of_2, pdl_launch, pdl_wait_and_release, tl, triton
 
 
@@ -80,7 +75,6 @@ def decode_attention_kernel(
     query_start_loc_ptr,  # int32 [R + 1]
     slot_mapping_ptr,  # int64 [>= T]; negative: the token is not written
     part_out_ptr, part_max_ptr, part_sum_ptr,  # as paged_attention_kernel's
-    split_count_ptr,  # int32 [>= R * Hkv], zero between launches; read under JOIN
     qk_scale,  # softmax scale * log2(e)
     num_reqs,
     stride_ot, stride_oh, stride_od,
@@ -96,10 +90,6 @@ def decode_attention_kernel(
     NUM_SPLITS: tl.constexpr, MIN_TILES_PER_SPLIT: tl.constexpr,
     DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
     PRELOAD: tl.constexpr,  # the first tile in registers before the PDL wait (see preload)
-    JOIN: tl.constexpr = False,  # the last split merges the splits (split_join)
-    GROUP_P2: tl.constexpr = 1,  # JOIN: GROUP rounded up to a power of two
-    BLOCK_S: tl.constexpr = 1,  # JOIN: NUM_SPLITS rounded up to a power of two
-    S_CHUNK: tl.constexpr = 1,  # JOIN: splits merged per step
     USE_PDL: tl.constexpr = False,  # launched with programmatic dependent launch (sm_90+)
 ):
     req = tl.program_id(0)
@@ -184,14 +174,6 @@ def decode_attention_kernel(
         tl.store(part_out_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=out_mask)
         tl.store(part_max_ptr + part, m_i, mask=row_valid)
         tl.store(part_sum_ptr + part, l_i, mask=row_valid)
-        if JOIN:
-            num_used = tl.cdiv(num_tiles, tiles_per_split(num_tiles, NUM_SPLITS,
-                                                          MIN_TILES_PER_SPLIT))
-            join_splits(output_ptr, part_out_ptr, part_max_ptr, part_sum_ptr,
-                        split_count_ptr + req * tl.num_programs(1) + kv_head, num_used,
-                        (req.to(tl.int64) * num_heads + kv_head * GROUP) * NUM_SPLITS,
-                        token, kv_head * GROUP, stride_ot, stride_oh, stride_od,
-                        GROUP, GROUP_P2, NUM_SPLITS, BLOCK_S, S_CHUNK, HEAD_DIM, BLOCK_D)
 
 
 @triton.jit
@@ -241,9 +223,6 @@ def _write_and_attend_new_kv(
 
 # None: preload_first_tile's rule; True / False force it (benchmarks).
 PRELOAD_FIRST_TILE: bool | None = None
-# Merge the KV splits in the attention kernel's last split (split_join), not in
-# reduce_splits_kernel after it. Module switch: benchmarks and tests flip it.
-JOIN_SPLITS = False
 # Software-pipeline stages of the KV loop. One, not the single-query config's three: on the
 # H200 one was faster alone at every context from 1K to 128K keys (batch 1: 5.7 against
 # 6.9 us at 1K, 149 against 182 us at 128K; h200_decode_attention_configs.json), and the
@@ -275,8 +254,7 @@ def decode_attention(
     num_splits: int,
 ) -> None:
     """write_kv + paged_attention for a batch whose rows all have query length <= 1, in
-    one kernel (+ the split reduction, unless JOIN_SPLITS merges the splits in it). Grids
-    depend only on R and num_splits."""
+    one kernel (+ the split reduction). Grids depend only on R and num_splits."""
     num_tokens, num_heads, head_dim = query.shape
     num_kv_heads = key.shape[1]
     num_reqs = seq_lens.shape[0]
@@ -291,22 +269,16 @@ def decode_attention(
     cfg = unified.single_query_config(group, block_d, query.element_size() >= 4)
     dot_dtype = unified.dot_dtype_for(query.dtype)
     partials = unified.split_partials(query, num_reqs, num_splits)
-    join = JOIN_SPLITS and num_splits > 1 and num_reqs * num_kv_heads <= MAX_COUNTERS
-    counters = split_counters(query.device) if join else seq_lens  # placeholder: unread
-    block_s = next_power_of_2(num_splits)
     decode_attention_kernel[(num_reqs, num_kv_heads, num_splits)](
         output, query, key, value, key_cache, value_cache, block_table, seq_lens,
-        query_start_loc, slot_mapping, *partials, counters, scale * unified.LOG2E, num_reqs,
+        query_start_loc, slot_mapping, *partials, scale * unified.LOG2E, num_reqs,
         *output.stride(), *query.stride(), *key.stride(), *value.stride(),
         *key_cache.stride(), *value_cache.stride(), block_table.stride(0),
         GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=cfg.block_m,
         TILE_N=cfg.tile_n, KV_BLOCK_SIZE=key_cache.shape[1], NUM_SPLITS=num_splits,
         MIN_TILES_PER_SPLIT=unified.MIN_TILES_PER_SPLIT, DOT_DTYPE=dot_dtype,
         DOT_PRECISION=unified.dot_precision_for(dot_dtype),
-        PRELOAD=preload_first_tile(num_splits), JOIN=join,
-        GROUP_P2=next_power_of_2(group), BLOCK_S=block_s, S_CHUNK=min(block_s, 16),
+        PRELOAD=preload_first_tile(num_splits),
         num_warps=cfg.num_warps, num_stages=NUM_STAGES, **pdl_launch(query),
     )
-    if not join:
-        unified.reduce_splits(output, partials, seq_lens, query_start_loc, cfg.tile_n,
-                              num_splits)
+    unified.reduce_splits(output, partials, seq_lens, query_start_loc, cfg.tile_n, num_splits)

@@ -10,13 +10,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from shared.attention import decode_attention as decode_attention_module
 from shared.attention import triton_backend
 from shared.attention import triton_unified_attention as unified
 from shared.attention.decode_attention import decode_attention
 from shared.attention.kv_write import write_kv_torch
 from shared.attention.layer import Attention
-from shared.attention.split_join import split_counters
 from shared.attention.torch_backend import TorchBackend
 from shared.attention.triton_backend import TritonBackend
 from shared.forward_context import set_forward_context
@@ -143,32 +141,3 @@ def test_fused_decode_with_and_without_the_preloaded_tile(preload, num_splits, m
     got, got_k, got_v = _fused(batch, key, value, 4, 32, num_splits)
     torch.testing.assert_close(got[:3].double(), want[:3].double(), atol=1e-4, rtol=1e-4)
     assert torch.equal(got_k, want_k) and torch.equal(got_v, want_v)
-
-
-@pytest.mark.parametrize("num_heads,num_kv_heads", [(8, 2), (6, 2)])
-@pytest.mark.parametrize("num_splits", [3, 8, 40])
-def test_last_split_joins_the_splits(num_heads, num_kv_heads, num_splits, monkeypatch):
-    """JOIN_SPLITS: the last split of each (row, KV head) merges the partials (no reduce
-    kernel) and leaves its counter at zero, twice in a row. 40 splits of 16-key tiles over
-    a 700-key row: 40 used, merged in three chunks of 16; a group of 3 query heads pads
-    to 4 rows. Oracle: write_kv_torch, then the TORCH backend."""
-    monkeypatch.setattr(decode_attention_module, "JOIN_SPLITS", True)
-    monkeypatch.setattr(unified, "MIN_TILES_PER_SPLIT", 1)
-
-    def no_reduce(*args, **kwargs):
-        raise AssertionError("the reduce kernel ran: the splits were not joined")
-
-    monkeypatch.setattr(unified, "reduce_splits", no_reduce)
-    head_dim = 32
-    batch = make_batch([1] * 4, [700, 17, 1, 65], num_heads, num_kv_heads, head_dim, 16,
-                       dtype=torch.float32, pad_reqs=1, pad_tokens=2)
-    key, value = _new_kv(batch, num_kv_heads, head_dim)
-    want, want_k, want_v = _oracle(batch, key, value, num_heads, head_dim, num_kv_heads)
-    counters = split_counters(torch.device("cpu"))
-    for _ in range(2):
-        got, got_k, got_v = _fused(batch, key, value, num_heads, head_dim, num_splits)
-        n = batch.num_actual_tokens
-        torch.testing.assert_close(got[:n].double(), want[:n].double(), atol=1e-4, rtol=1e-4)
-        assert got[n:].isnan().all(), "a padded token's output row was written"
-        assert torch.equal(got_k, want_k) and torch.equal(got_v, want_v)
-        assert not counters.any(), "a split counter was left non-zero"
