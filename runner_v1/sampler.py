@@ -117,18 +117,16 @@ def apply_min_tokens(x: torch.Tensor, metadata: SamplingMetadata) -> torch.Tenso
 
 @functools.cache
 def _chunk_size(vocab_size: int) -> int:
-    """The divisor of vocab_size nearest its square root from above (vocab_size itself
+    """The smallest divisor of vocab_size not below its square root (vocab_size itself
     when prime: one chunk, a plain argmax)."""
-    for c in range(math.isqrt(vocab_size), vocab_size + 1):
-        if vocab_size % c == 0 and c * c >= vocab_size:
-            return c
-    return vocab_size
+    below = max(d for d in range(1, math.isqrt(vocab_size) + 1) if vocab_size % d == 0)
+    return vocab_size // below
 
 
 def greedy_argmax(x: torch.Tensor) -> torch.Tensor:
     """x.argmax(dim=-1), the first maximum of each row, in two parallel stages. On CUDA,
     torch reduces one row into one output with a single 512-thread block: 37 us for
-    llama's 128256 logits on the H200, a tenth of the batch-1 step's LM head. Here each
+    llama's 128256 logits on the H200, a sixth of the LM head's time at batch 1. Here each
     row is viewed as [B, C] chunks (C divides the vocabulary, so no copy): the max of
     every chunk (B outputs per row, in parallel), then the first chunk holding the row's
     max and the first index inside it: the same first maximum."""

@@ -8,7 +8,8 @@ that were tuned and measured on the H200 unchanged, so their numbers still hold:
   python3 scripts/gemv_ptx_fingerprint.py > after.json && diff before.json after.json
 
 Variants: the launch configs of the llama-3-8b table plus odd ones (more tokens, bias, an
-unaligned K, cache hints on the weight loads), each in bf16 and float32, with and without programmatic dependent launch.
+unaligned K, the other cache hints on the weight loads), each in bf16 and float32, with and
+without programmatic dependent launch.
 Compiled as a launch specialises them (16-byte aligned pointers, strides divisible by 16);
 debug info and line markers are dropped, so moving code between lines changes nothing.
 """
