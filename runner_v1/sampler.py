@@ -137,8 +137,10 @@ def greedy_argmax(x: torch.Tensor) -> torch.Tensor:
     return torch.add(index.gather(1, chunk), chunk, alpha=c).squeeze(1)
 
 
-def sample(x: torch.Tensor, metadata: SamplingMetadata, positions: torch.Tensor) -> torch.Tensor:
-    """Greedy rows: argmax of x. Random rows: Gumbel-max over the filtered x / T."""
+def sample(x: torch.Tensor, metadata: SamplingMetadata,
+           positions: torch.Tensor | None) -> torch.Tensor:
+    """Greedy rows: argmax of x. Random rows: Gumbel-max over the filtered x / T (positions,
+    which key their noise, may be None when every row is greedy)."""
     greedy = greedy_argmax(x) if not metadata.all_random else None
     if metadata.all_greedy:
         return greedy
