@@ -78,6 +78,10 @@ WEIGHT_LOAD_HINT = 1
 # Benchmarks set entries (config_key -> config) to run a shape with another config than
 # the table's, e.g. the table a result was measured with before.
 CONFIG_OVERRIDES: dict[str, tuple] = {}
+# A diagnostic for benchmarks only: the buffered FMA kernel (kernel 2/3) lets the next
+# kernel launch but never waits for the previous one, so kernels overlap as if they had no
+# dependency (wrong results): an upper bound for any finer-grained overlap of the chain.
+DIAG_NO_PDL_WAIT = False
 
 
 def use_gemv(x: torch.Tensor) -> bool:
@@ -290,6 +294,8 @@ def gemv(
     extra = {"num_warps": num_warps, "num_stages": num_stages} if x.is_cuda else {}
     # launched while the previous kernel drains where PDL is on; see pdl_wait_and_release
     extra.update(pdl_launch(x))
+    if DIAG_NO_PDL_WAIT and extra.get("USE_PDL") and fma_depth > 1:
+        extra["USE_PDL"] = 2
     _gemv_kernel[grid](
         x, weight, x if bias is None else bias, x if norm_weight is None else norm_weight,
         x if residual is None else residual, out,

@@ -83,7 +83,9 @@ def fma_buffered(x_ptr, w_a, w_b, norm_w_ptr, bias_ptr, residual_ptr, out_ptr,
     if USE_PDL and not PRELOAD:
         pdl_wait_and_release()
     wa, wb = weight_tiles(w_a, w_b, 0, row_mask, K, BLOCK_K, PAIRED, HINT)
-    if USE_PDL and PRELOAD:
+    if USE_PDL == 2:  # the no-wait diagnostic (gemv.DIAG_NO_PDL_WAIT): wrong results
+        tl.extra.cuda.gdc_launch_dependents()
+    elif USE_PDL and PRELOAD:
         pdl_wait_and_release()
     wa1, wb1 = wa, wb  # DEPTH 3: tile 1 (loaded after the wait: one tile crosses it)
     if DEPTH == 3:
