@@ -33,7 +33,7 @@ from shared.attention import triton_unified_attention as attention
 from shared.attention.layer import Attention
 from shared.bench.measure import measure_read_bandwidth, run_decode
 from shared.engine import LLMEngine
-from shared.model import gemv, gemv_flags
+from shared.model import gemv
 
 _ATTENTION_FORWARD = Attention.forward
 _NUM_SPLITS_FOR = triton_backend.num_splits_for
@@ -67,7 +67,6 @@ def make_engine(model: str, runner: str, eager: bool, max_num_seqs: int, sizes: 
     - "prevgemv": llama's four layer GEMVs with the configs of the table before
       bench_gemv_variants (PREVIOUS_LLAMA_GEMV);
     - "hintN": every GEMV's weight loads with cache hint N (gemv.WEIGHT_LOAD_HINT);
-    - "noflags": batch-1 GEMVs wait for the whole previous kernel (gemv_flags.MODE never);
     - "noattn" (a diagnostic, its tokens are wrong): every attention layer returns its q
       unchanged, launching nothing, so the row prices the attention's share of the step.
     E.g. "v1-cublas+nopdl"."""
@@ -79,13 +78,12 @@ def make_engine(model: str, runner: str, eager: bool, max_num_seqs: int, sizes: 
                 if (g := re.fullmatch(r"attn(min|tile|warps|stages|splits)(\d+)", m))}
     hints = [int(m[4:]) for m in modes if re.fullmatch(r"hint\d", m)]
     unknown = (modes - {"async", "cublas", "nopdl", "nofusedkv", "fusedkv", "preload",
-                        "nopreload", "noattn", "prevgemv", "noflags"} - set(numbered)
+                        "nopreload", "noattn", "prevgemv"} - set(numbered)
                - {f"hint{h}" for h in hints})
     if unknown:
         raise ValueError(f"bench_decode --rows: unknown mode(s) {sorted(unknown)} in {runner}-{mode}")
     gemv.ENABLED = "cublas" not in modes
     gemv.WEIGHT_LOAD_HINT = hints[0] if hints else _WEIGHT_LOAD_HINT
-    gemv_flags.MODE = "never" if "noflags" in modes else "auto"
     if "prevgemv" in modes:
         gemv.CONFIG_OVERRIDES.update(PREVIOUS_LLAMA_GEMV)
     if "noattn" in modes:
@@ -123,7 +121,6 @@ def reset_switches() -> None:
     gemv.ENABLED = triton_utils.PDL_ENABLED = True
     gemv.WEIGHT_LOAD_HINT = _WEIGHT_LOAD_HINT
     gemv.CONFIG_OVERRIDES.clear()
-    gemv_flags.MODE = "auto"
     Attention.forward = _ATTENTION_FORWARD
     triton_backend.FUSED_DECODE_KV_WRITE = "auto"
     for knob, value in _ATTENTION_DEFAULTS.items():

@@ -2,13 +2,12 @@
 # The GPU machine's one entry point: install what the image lacks from carried wheels,
 # run the gpu-marked tests, run the benchmarks, write everything under $OUT.
 #
-#   scripts/gpu_check.sh [gemv|tune|tests|attention|decode|stream|profile|ab|ab_async|hf|all]...
+#   scripts/gpu_check.sh [gemv|tune|tests|attention|decode|profile|ab|ab_async|hf|all]...
 #
 # Stages run in the order of this file, whatever the order of the arguments: gemv and tune
 # come first because they write the GEMV launch table (shared/model/gemv_configs.json)
 # that the later stages' models read: gemv per shape, tune llama-3-8b's layer GEMVs inside
-# the decode step. GEMV_ARGS, TUNE_ARGS, DECODE_ARGS, STREAM_ARGS and GPU_TESTS pass
-# arguments on.
+# the decode step. GEMV_ARGS, TUNE_ARGS, DECODE_ARGS and GPU_TESTS pass arguments on.
 #
 # Run through the device tool from the repository root, carrying `.whl`:
 #   python3 -m pip download ... -d .whl pydantic==2.14.4 pydantic-core==2.50.5 \
@@ -54,11 +53,6 @@ fi
 if want decode; then
   python3 scripts/bench_decode.py --out "$OUT/decode.json" ${DECODE_ARGS:-} 2>&1 \
     | tee "$OUT/decode.log"
-fi
-if want stream; then
-  # the persistent layer-stream kernel against the per-kernel GEMV chain (an experiment)
-  timeout 420 python3 scripts/bench_layer_stream.py --out "$OUT/layer_stream.json" \
-    ${STREAM_ARGS:-} 2>&1 | tee "$OUT/layer_stream.log"
 fi
 if want profile; then
   python3 scripts/profile_decode.py --model llama-3-8b --batch 1 --runner v2 2>&1 \

@@ -46,8 +46,7 @@ from pathlib import Path
 
 import torch
 
-from shared.model import fused_ops, gemv_flags
-from shared.model.gemv_flags import signal_rows
+from shared.model import fused_ops
 from shared.model.gemv_tiles import (
     apply_epilogue,
     dot_acc,
@@ -79,10 +78,6 @@ WEIGHT_LOAD_HINT = 1
 # Benchmarks set entries (config_key -> config) to run a shape with another config than
 # the table's, e.g. the table a result was measured with before.
 CONFIG_OVERRIDES: dict[str, tuple] = {}
-# A diagnostic for benchmarks only: the buffered FMA kernel (kernel 2/3) lets the next
-# kernel launch but never waits for the previous one, so kernels overlap as if they had no
-# dependency (wrong results): an upper bound for any finer-grained overlap of the chain.
-DIAG_NO_PDL_WAIT = False
 
 
 def use_gemv(x: torch.Tensor) -> bool:
@@ -125,19 +120,6 @@ def _gemv_kernel(
     PRELOAD: tl.constexpr = True,  # USE_PDL: load the first weight tile before the wait
     FMA_DEPTH: tl.constexpr = 0,  # FMA, M = 1: 2 or 3 weight tiles in flight (else 1)
     HINT: tl.constexpr = 0,  # the weight loads' cache hint (WEIGHT_LOAD_HINT)
-    in_slot_ptr=None,  # int32: the counts of x's producer (WAIT_FLAGS; see gemv_flags)
-    out_slot_ptr=None,  # int32: this GEMV's counts (SIGNAL)
-    flag_error_ptr=None,  # int32 [1]: spins that gave up
-    WAIT_FLAGS: tl.constexpr = False,  # FMA_DEPTH > 1 only: wait per chunk of x
-    SIGNAL: tl.constexpr = False,  # count the stored rows (not with ROPE)
-    FLAG_CHUNK: tl.constexpr = 512,
-    MAX_SPIN: tl.constexpr = 64,
-    FAST_PATH: tl.constexpr = True,  # skip the chunk waits once x is complete
-    WHOLE_X: tl.constexpr = False,  # wait for all of x before the loop (gemv_flags.WAIT)
-    L2_ONLY: tl.constexpr = True,  # WAIT_FLAGS: x and the residual through L2 only
-    END_WAIT: tl.constexpr = True,  # WAIT_FLAGS: griddepcontrol.wait before exiting
-    COUNT_STRIDE: tl.constexpr = 1,  # int32s between two counts of a slot
-    TRIGGER_LATE: tl.constexpr = False,  # WAIT_FLAGS: launch the next kernel after chunk 0
 ):
     rows_a, rows_b, row_mask, head, dims = program_rows(
         tl.program_id(0), N_OUT, BLOCK_N, EPILOGUE, HEAD_DIM)
@@ -188,9 +170,7 @@ def _gemv_kernel(
         fma_buffered(x_ptr, w_a, w_b, norm_w_ptr, bias_ptr, residual_ptr, out_ptr,
                      positions_ptr, cos_sin_ptr, rows_a, rows_b, row_mask, head, dims,
                      stride_r, stride_o, stride_cs, eps, K, BLOCK_K, FMA_DEPTH, HAS_BIAS,
-                     HAS_NORM, EPILOGUE, HEAD_DIM, NUM_ROPE_HEADS, USE_PDL, PRELOAD, HINT,
-                     in_slot_ptr, flag_error_ptr, WAIT_FLAGS, FLAG_CHUNK, MAX_SPIN,
-                     FAST_PATH, WHOLE_X, L2_ONLY, COUNT_STRIDE, TRIGGER_LATE)
+                     HAS_NORM, EPILOGUE, HEAD_DIM, NUM_ROPE_HEADS, USE_PDL, PRELOAD, HINT)
     else:
         # FMAs per token: the weight tile is re-read (from L2) for every token after the
         # first, so this is for M = 1.
@@ -224,39 +204,6 @@ def _gemv_kernel(
                            bias_ptr, residual_ptr, out_ptr, positions_ptr, cos_sin_ptr,
                            stride_r, stride_o, stride_cs,
                            HAS_BIAS, EPILOGUE, HEAD_DIM, NUM_ROPE_HEADS)
-    if SIGNAL:
-        first_row = tl.program_id(0) * BLOCK_N
-        signal_rows(out_slot_ptr, first_row, tl.minimum(BLOCK_N, N_OUT - first_row),
-                    FLAG_CHUNK, COUNT_STRIDE)
-    if WAIT_FLAGS and USE_PDL and END_WAIT:
-        # complete only after the grid before (see gemv_flags): the rows are signalled
-        tl.extra.cuda.gdc_wait()
-
-
-def _flag_args(x: torch.Tensor, out: torch.Tensor, epilogue: str, block_n: int,
-               block_k: int, fma_depth: int, pdl: bool) -> dict:
-    """Launch arguments of the flag chain (gemv_flags) inside `with gemv_flags.chain()`:
-    wait per chunk of x when x's producer signals and this kernel is a buffered FMA one
-    (whose K steps line up with the chunks); signal unless ROPE (whose rows are no
-    contiguous range; its consumer, the attention, waits on PDL anyway)."""
-    arena = gemv_flags.active()
-    if arena is None or x.shape[0] != 1 or gemv_flags.MODE == "never" or (
-            gemv_flags.MODE == "auto" and not pdl):
-        return {}
-    chunk = gemv_flags.FLAG_CHUNK
-    in_slot = arena.slot_of_input(x) if fma_depth > 1 and chunk % block_k == 0 else None
-    out_slot = (arena.slot_for_output(out) if epilogue != "rope" and chunk % block_n == 0
-                else None)
-    args = {"flag_error_ptr": arena.error_ptr(), "FLAG_CHUNK": chunk,
-            "MAX_SPIN": gemv_flags.MAX_SPIN, "FAST_PATH": gemv_flags.FAST_PATH,
-            "WHOLE_X": gemv_flags.WAIT == "whole", "L2_ONLY": gemv_flags.X_L2_ONLY,
-            "END_WAIT": gemv_flags.END_WAIT,
-            "COUNT_STRIDE": arena.stride, "TRIGGER_LATE": gemv_flags.TRIGGER == "first_chunk"}
-    if in_slot is not None:
-        args.update(in_slot_ptr=in_slot, WAIT_FLAGS=True)
-    if out_slot is not None:
-        args.update(out_slot_ptr=out_slot, SIGNAL=True)
-    return args if len(args) > 9 else {}
 
 
 @functools.cache
@@ -343,9 +290,6 @@ def gemv(
     extra = {"num_warps": num_warps, "num_stages": num_stages} if x.is_cuda else {}
     # launched while the previous kernel drains where PDL is on; see pdl_wait_and_release
     extra.update(pdl_launch(x))
-    if DIAG_NO_PDL_WAIT and extra.get("USE_PDL") and fma_depth > 1:
-        extra["USE_PDL"] = 2
-    extra.update(_flag_args(x, out, epilogue, block_n, block_k, fma_depth, "USE_PDL" in extra))
     _gemv_kernel[grid](
         x, weight, x if bias is None else bias, x if norm_weight is None else norm_weight,
         x if residual is None else residual, out,

@@ -5,7 +5,6 @@ kernel's (scripts/gemv_ptx_fingerprint.py)."""
 
 from __future__ import annotations
 
-from shared.model.gemv_flags import acquire_count, wait_for_count
 from shared.triton_utils import pdl_wait_and_release, tl, triton
 
 
@@ -36,9 +35,8 @@ def apply_epilogue(y_a, y_b, m, rows_a, rows_b, row_mask, head, dims,
                    bias_ptr, residual_ptr, out_ptr, positions_ptr, cos_sin_ptr,
                    stride_r, stride_o, stride_cs,
                    HAS_BIAS: tl.constexpr, EPILOGUE: tl.constexpr, HEAD_DIM: tl.constexpr,
-                   NUM_ROPE_HEADS: tl.constexpr, L2_ONLY: tl.constexpr = False):
-    """Token m's outputs from its float32 dot products y_a, y_b [BLOCK_N] (L2_ONLY: the
-    residual's load, as x_tile_fma's)."""
+                   NUM_ROPE_HEADS: tl.constexpr):
+    """Token m's outputs from its float32 dot products y_a, y_b [BLOCK_N]."""
     dtype = out_ptr.dtype.element_ty
     if HAS_BIAS:
         y_a += tl.load(bias_ptr + rows_a, mask=row_mask, other=0.0).to(tl.float32)
@@ -51,7 +49,7 @@ def apply_epilogue(y_a, y_b, m, rows_a, rows_b, row_mask, head, dims,
     if EPILOGUE == 0:
         tl.store(out_row + rows_a, y_a.to(dtype), mask=row_mask)
     elif EPILOGUE == 1:
-        r = load_maybe_l2_only(residual_ptr + m * stride_r + rows_a, row_mask, L2_ONLY)
+        r = tl.load(residual_ptr + m * stride_r + rows_a, mask=row_mask, other=0.0)
         tl.store(out_row + rows_a, (y_a + r.to(tl.float32)).to(dtype), mask=row_mask)
     elif EPILOGUE == 2:
         act = (y_a / (1.0 + tl.exp(-y_a))).to(dtype).to(tl.float32)
@@ -75,37 +73,17 @@ def fma_buffered(x_ptr, w_a, w_b, norm_w_ptr, bias_ptr, residual_ptr, out_ptr,
                  DEPTH: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_NORM: tl.constexpr,
                  EPILOGUE: tl.constexpr, HEAD_DIM: tl.constexpr,
                  NUM_ROPE_HEADS: tl.constexpr, USE_PDL: tl.constexpr, PRELOAD: tl.constexpr,
-                 HINT: tl.constexpr = 0, in_slot=None, error_ptr=None,
-                 WAIT_FLAGS: tl.constexpr = False, FLAG_CHUNK: tl.constexpr = 512,
-                 MAX_SPIN: tl.constexpr = 64, FAST_PATH: tl.constexpr = True,
-                 WHOLE_X: tl.constexpr = False, L2_ONLY: tl.constexpr = True,
-                 STRIDE: tl.constexpr = 1, TRIGGER_LATE: tl.constexpr = False):
+                 HINT: tl.constexpr = 0):
     """The FMA kernel for one token with DEPTH (2 or 3) weight tiles in registers: each
     step issues the loads of tile k + DEPTH - 1 before it multiplies tile k, so a program
     keeps DEPTH tiles in flight (the FMA loop is not software-pipelined: nothing of it goes
-    through shared memory). Steps past the last tile load nothing (all masked).
-
-    WAIT_FLAGS (gemv_flags): x comes from a GEMV that counts its rows into `in_slot`; no
-    PDL wait before the loop, each FLAG_CHUNK of x is waited for just before it is read
-    (nothing at all when the total was full at the start), x and the residual are read
-    through L2 only. The caller waits for the previous grid at the end."""
+    through shared memory). Steps past the last tile load nothing (all masked)."""
     PAIRED: tl.constexpr = EPILOGUE >= 2
     BLOCK_N: tl.constexpr = rows_a.shape[0]
-    if USE_PDL and not PRELOAD and not WAIT_FLAGS:
+    if USE_PDL and not PRELOAD:
         pdl_wait_and_release()
-    if WAIT_FLAGS and USE_PDL and not TRIGGER_LATE:
-        tl.extra.cuda.gdc_launch_dependents()
     wa, wb = weight_tiles(w_a, w_b, 0, row_mask, K, BLOCK_K, PAIRED, HINT)
-    complete = 1
-    if WAIT_FLAGS:
-        complete = 0
-        if WHOLE_X:  # wait for all of x at once (a comparison for the chunk waits)
-            wait_for_count(in_slot, K, error_ptr, MAX_SPIN)
-            complete = 1
-        # else the loop's first step polls, after it has issued the next tile's loads
-    elif USE_PDL == 2:  # the no-wait diagnostic (gemv.DIAG_NO_PDL_WAIT): wrong results
-        tl.extra.cuda.gdc_launch_dependents()
-    elif USE_PDL and PRELOAD:
+    if USE_PDL and PRELOAD:
         pdl_wait_and_release()
     wa1, wb1 = wa, wb  # DEPTH 3: tile 1 (loaded after the wait: one tile crosses it)
     if DEPTH == 3:
@@ -116,20 +94,8 @@ def fma_buffered(x_ptr, w_a, w_b, norm_w_ptr, bias_ptr, residual_ptr, out_ptr,
     AHEAD: tl.constexpr = (DEPTH - 1) * BLOCK_K
     for k0 in range(AHEAD, K + AHEAD, BLOCK_K):
         wa_next, wb_next = weight_tiles(w_a, w_b, k0, row_mask, K, BLOCK_K, PAIRED, HINT)
-        c0 = k0 - AHEAD
-        if WAIT_FLAGS:
-            if (complete == 0) & (c0 % FLAG_CHUNK == 0):
-                # the total first: once x is complete, no more polls at all
-                if FAST_PATH:
-                    complete = (acquire_count(in_slot) >= K).to(tl.int32)
-                if complete == 0:
-                    wait_for_count(in_slot + (1 + c0 // FLAG_CHUNK) * STRIDE,
-                                   tl.minimum(FLAG_CHUNK, K - c0), error_ptr, MAX_SPIN)
-            if TRIGGER_LATE and USE_PDL and c0 == 0:
-                tl.extra.cuda.gdc_launch_dependents()
-        cols = c0 + tl.arange(0, BLOCK_K)
-        x, sum_sq = x_tile_fma(x_ptr, norm_w_ptr, cols, cols < K, sum_sq, HAS_NORM,
-                               WAIT_FLAGS and L2_ONLY)
+        cols = k0 - AHEAD + tl.arange(0, BLOCK_K)
+        x, sum_sq = x_tile_fma(x_ptr, norm_w_ptr, cols, cols < K, sum_sq, HAS_NORM)
         acc_a += wa.to(tl.float32) * x[None, :]
         if PAIRED:
             acc_b += wb.to(tl.float32) * x[None, :]
@@ -140,8 +106,7 @@ def fma_buffered(x_ptr, w_a, w_b, norm_w_ptr, bias_ptr, residual_ptr, out_ptr,
     y_a, y_b = fma_row_sums(acc_a, acc_b, sum_sq, eps, K, HAS_NORM)
     apply_epilogue(y_a, y_b, 0, rows_a, rows_b, row_mask, head, dims,
                    bias_ptr, residual_ptr, out_ptr, positions_ptr, cos_sin_ptr,
-                   stride_r, stride_o, stride_cs, HAS_BIAS, EPILOGUE, HEAD_DIM, NUM_ROPE_HEADS,
-                   WAIT_FLAGS and L2_ONLY)
+                   stride_r, stride_o, stride_cs, HAS_BIAS, EPILOGUE, HEAD_DIM, NUM_ROPE_HEADS)
 
 
 @triton.jit
@@ -198,24 +163,13 @@ def weight_tile(w_rows, cols, row_mask, col_mask, HINT: tl.constexpr = 0):
     return tl.load(w_rows + cols[None, :], mask=mask, other=0.0)
 
 @triton.jit
-def x_tile_fma(x_row, norm_w_ptr, cols, col_mask, sum_sq, HAS_NORM: tl.constexpr,
-               L2_ONLY: tl.constexpr = False):
-    """One token's input columns in float32, times the norm weight; sum x^2 accumulates.
-    L2_ONLY: x was written by another SM while this kernel ran (gemv_flags)."""
-    x = load_maybe_l2_only(x_row + cols, col_mask, L2_ONLY).to(tl.float32)
+def x_tile_fma(x_row, norm_w_ptr, cols, col_mask, sum_sq, HAS_NORM: tl.constexpr):
+    """One token's input columns in float32, times the norm weight; sum x^2 accumulates."""
+    x = tl.load(x_row + cols, mask=col_mask, other=0.0).to(tl.float32)
     if HAS_NORM:
         sum_sq += x * x
         x = x * tl.load(norm_w_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
     return x, sum_sq
-
-
-@triton.jit
-def load_maybe_l2_only(ptrs, mask, L2_ONLY: tl.constexpr):
-    """A masked load (0 where masked), through L2 only (.cg) when L2_ONLY: L1 is not
-    coherent, and the data was written by another SM during this kernel."""
-    if L2_ONLY:
-        return tl.load(ptrs, mask=mask, other=0.0, cache_modifier=".cg")
-    return tl.load(ptrs, mask=mask, other=0.0)
 
 
 @triton.jit

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from shared.attention.layer import Attention
-from shared.model import fused_ops, gemv, gemv_flags
+from shared.model import fused_ops, gemv
 from shared.model.layers import (
     Linear,
     MergedLinear,
@@ -28,7 +28,6 @@ from shared.model.layers import (
     load_hf_weights,
     make_rope,
 )
-from shared.triton_utils import use_pdl
 
 
 class LlamaMLP(nn.Module):
@@ -218,31 +217,13 @@ class LlamaModel(nn.Module):
             make_layer(i, f"model.layers.{i}") for i in range(cfg.num_hidden_layers)
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        head_dim = get_head_dim(cfg)
-        qkv_rows = (cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * head_dim
-        self._flag_rows = max(cfg.hidden_size, qkv_rows,
-                              getattr(cfg, "intermediate_size", 0) or 0)
-        self._flag_arena: gemv_flags.FlagArena | None = None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         hidden_states = self.embed_tokens(input_ids)
         residual = None
-        with gemv_flags.chain(self._flag_arena_for(hidden_states)):
-            for layer in self.layers:
-                hidden_states, residual = layer(positions, hidden_states, residual)
+        for layer in self.layers:
+            hidden_states, residual = layer(positions, hidden_states, residual)
         return self._final_norm(hidden_states, residual)
-
-    def _flag_arena_for(self, hidden_states: torch.Tensor) -> gemv_flags.FlagArena | None:
-        """The batch-1 GEMVs' flag chain (gemv_flags), where they run under PDL: one
-        arena per model, made on the first such forward (4 signalling GEMVs per layer at
-        most). None elsewhere: no memset, no counts."""
-        if not (gemv.use_gemv(hidden_states) and gemv_flags.MODE != "never" and (
-                gemv_flags.MODE == "always" or use_pdl(hidden_states))):
-            return None
-        if self._flag_arena is None or self._flag_arena.counts.device != hidden_states.device:
-            self._flag_arena = gemv_flags.FlagArena(4 * len(self.layers), self._flag_rows,
-                                                    hidden_states.device)
-        return self._flag_arena
 
     def _final_norm(self, hidden_states: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
         if residual is None:  # no layers
