@@ -25,8 +25,18 @@ from shared.bench.measure import graph_time_ms, measure_read_bandwidth  # noqa: 
 from shared.model import gemv, gemv_tma  # noqa: E402
 
 HIDDEN, QKV, INTER = 4096, 6144, 14336
-# (block_n, block_k, stages, num_warps) per GEMV kind, or one for all four
+# (block_n, block_k, stages, num_warps[, programs]) per GEMV kind, or one for all four;
+# programs: at least that many programs, each streaming consecutive row tiles through one
+# ring (as few per program as divide the tiles); absent: one row tile per program
 CONFIGS = {
+    "p128 n16 s8": (16, 256, 8, 4, 128),
+    "p128 n16 s4": (16, 256, 4, 4, 128),
+    "p128 n8 s16": (8, 256, 16, 4, 128),
+    "p128 n8 s8": (8, 256, 8, 4, 128),
+    "p256 n8 s8": (8, 256, 8, 4, 256),
+    "p256 n8 s4": (8, 256, 4, 4, 256),
+    "p264 n8 s4": (8, 256, 4, 4, 264),
+    "p512 n8 s4": (8, 256, 4, 4, 512),
     "n16 s4": (16, 256, 4, 4),
     "n16 s6": (16, 256, 6, 4),
     "n8 s8": (8, 256, 8, 4),
@@ -87,16 +97,24 @@ def tma_chain(s: Stack, x: torch.Tensor, configs: dict, **flags):
             "o": torch.empty(s.layers, 1, HIDDEN, device="cuda", dtype=x.dtype),
             "d": torch.empty(s.layers, 1, HIDDEN, device="cuda", dtype=x.dtype)}
 
+    tiles = {}
+    for kind, cfg in configs.items():
+        if cfg is not None:
+            n = (weights[kind].shape[1] // 2 if kind == "gu" else weights[kind].shape[1]) // cfg[0]
+            programs = cfg[4] if len(cfg) > 4 else n
+            tiles[kind] = max(t for t in range(1, n + 1) if n % t == 0 and n // t >= programs)
+
     def one(kind, i, x_in, **kwargs):
         cfg = configs[kind]
         if cfg is None:
             if kind == "qkv":
                 kwargs["config"] = qkv_cfg
             return gemv.gemv(x_in, weights[kind][i], **kwargs)
-        bn, bk, st, nw = cfg
+        bn, bk, st, nw = cfg[:4]
         out = bufs[kind][i] if kind in ("o", "d") else bufs[kind]
         return gemv_tma.tma_gemv(x_in, weights[kind][i], descs[kind][i], out=out, block_n=bn,
-                                 block_k=bk, stages=st, num_warps=nw, **kwargs, **flags)
+                                 block_k=bk, stages=st, num_warps=nw,
+                                 tiles_per_program=tiles[kind], **kwargs, **flags)
 
     def run() -> torch.Tensor:
         h = x

@@ -48,7 +48,7 @@ def _gdc_launch_dependents():
 @gluon.jit
 def _issue(w_desc, bar, slot_a, slot_b, row_a, row_b, k0, PAIRED: gl.constexpr):
     """One ring slot's TMA: the [BLOCK_N, BLOCK_K] weight tile at (row_a, k0), and for a
-    pair (SiLU) the one at (row_b, k0) on the same barrier."""
+    pair (SiLU, RoPE) the one at (row_b, k0) on the same barrier."""
     if PAIRED:
         mbarrier.expect(bar, 2 * w_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(w_desc, [row_a, k0], bar, slot_a)
@@ -56,6 +56,75 @@ def _issue(w_desc, bar, slot_a, slot_b, row_a, row_b, k0, PAIRED: gl.constexpr):
     else:
         mbarrier.expect(bar, w_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(w_desc, [row_a, k0], bar, slot_a)
+
+
+@gluon.jit
+def _tile_rows(t, N_OUT, BLOCK_N: gl.constexpr, EPILOGUE: gl.constexpr,
+               HEAD_DIM: gl.constexpr):
+    """Row tile t's first rows: row_a, and for the pairs row_b (SiLU: the up row j + N_OUT
+    of gate row j; RoPE: dims d and d + D/2 of one head); RoPE's head and first dim."""
+    if EPILOGUE == 3:
+        HALF: gl.constexpr = HEAD_DIM // 2
+        head = t // (HALF // BLOCK_N)
+        dim0 = (t % (HALF // BLOCK_N)) * BLOCK_N
+        row_a = head * HEAD_DIM + dim0
+        row_b = row_a + HALF
+    else:
+        head = t
+        dim0 = t * 0
+        row_a = t * BLOCK_N
+        row_b = N_OUT + row_a
+    return row_a, row_b, head, dim0
+
+
+@gluon.jit
+def _issue_item(w_desc, bars, smem_a, smem_b, i, tile0, N_OUT, BLOCK_N: gl.constexpr,
+                BLOCK_K: gl.constexpr, NUM_K: gl.constexpr, STAGES: gl.constexpr,
+                EPILOGUE: gl.constexpr, HEAD_DIM: gl.constexpr):
+    """The TMA of the program's i-th (row tile, K tile) item into ring slot i % STAGES."""
+    slot = i % STAGES
+    row_a, row_b, _, _ = _tile_rows(tile0 + i // NUM_K, N_OUT, BLOCK_N, EPILOGUE, HEAD_DIM)
+    _issue(w_desc, bars.index(slot), smem_a.index(slot), smem_b.index(slot), row_a, row_b,
+           (i % NUM_K) * BLOCK_K, EPILOGUE >= 2)
+
+
+@gluon.jit
+def _store_tile(acc_a, acc_b, sum_sq, t, residual_ptr, out_ptr, positions_ptr, cos_sin_ptr,
+                N_OUT, stride_cs, eps, K: gl.constexpr, BLOCK_N: gl.constexpr,
+                HAS_NORM: gl.constexpr, EPILOGUE: gl.constexpr, HEAD_DIM: gl.constexpr,
+                NUM_ROPE_HEADS: gl.constexpr, row_layout: gl.constexpr):
+    """Row tile t's outputs from its float32 partial products, as
+    gemv_tiles.apply_epilogue computes them."""
+    row_a, row_b, head, dim0 = _tile_rows(t, N_OUT, BLOCK_N, EPILOGUE, HEAD_DIM)
+    y_a = gl.sum(acc_a, axis=1)
+    y_b = gl.sum(acc_b, axis=1)
+    if HAS_NORM:
+        rstd = gl.rsqrt(gl.sum(sum_sq, axis=0) / K + eps)
+        y_a = y_a * rstd
+        y_b = y_b * rstd
+    offs = gl.arange(0, BLOCK_N, layout=row_layout)
+    out_ty: gl.constexpr = out_ptr.dtype.element_ty
+    # Round to the model dtype where the unfused path's matmul output is rounded.
+    y_a = y_a.to(out_ty).to(gl.float32)
+    y_b = y_b.to(out_ty).to(gl.float32)
+    if EPILOGUE == 0:
+        gl.store(out_ptr + row_a + offs, y_a.to(out_ty))
+    elif EPILOGUE == 1:
+        res = gl.load(residual_ptr + row_a + offs).to(gl.float32)
+        gl.store(out_ptr + row_a + offs, (y_a + res).to(out_ty))
+    elif EPILOGUE == 2:
+        act = (y_a / (1.0 + gl.exp(-y_a))).to(out_ty).to(gl.float32)
+        gl.store(out_ptr + row_a + offs, (act * y_b).to(out_ty))
+    else:
+        HALF: gl.constexpr = HEAD_DIM // 2
+        pos = gl.load(positions_ptr).to(gl.int64)
+        cos = gl.load(cos_sin_ptr + pos * stride_cs + dim0 + offs).to(gl.float32)
+        sin = gl.load(cos_sin_ptr + pos * stride_cs + HALF + dim0 + offs).to(gl.float32)
+        rotate = head < NUM_ROPE_HEADS
+        out_a = gl.where(rotate, y_a * cos - y_b * sin, y_a)
+        out_b = gl.where(rotate, y_b * cos + y_a * sin, y_b)
+        gl.store(out_ptr + row_a + offs, out_a.to(out_ty))
+        gl.store(out_ptr + row_b + offs, out_b.to(out_ty))
 
 
 @gluon.jit
@@ -74,6 +143,7 @@ def tma_gemv_kernel(
     BLOCK_N: gl.constexpr,
     BLOCK_K: gl.constexpr,
     STAGES: gl.constexpr,
+    TILES: gl.constexpr,  # row tiles per program, consecutive, streamed through one ring
     HAS_NORM: gl.constexpr,
     EPILOGUE: gl.constexpr,  # 0 none, 1 residual, 2 silu, 3 rope
     HEAD_DIM: gl.constexpr,  # RoPE only
@@ -91,19 +161,10 @@ def tma_gemv_kernel(
     row_layout: gl.constexpr = gl.SliceLayout(1, layout)
     PAIRED: gl.constexpr = EPILOGUE >= 2
     NUM_K: gl.constexpr = K // BLOCK_K
+    TOTAL: gl.constexpr = TILES * NUM_K  # (row tile, K tile) items, in this order
     gl.static_assert(K % BLOCK_K == 0)
 
-    pid = gl.program_id(0)
-    if EPILOGUE == 3:
-        # rows (d, d + D/2) of one head: the pairs neox RoPE rotates together
-        HALF: gl.constexpr = HEAD_DIM // 2
-        head = pid // (HALF // BLOCK_N)
-        dim0 = (pid % (HALF // BLOCK_N)) * BLOCK_N
-        row_a = head * HEAD_DIM + dim0
-        row_b = row_a + HALF
-    else:
-        row_a = pid * BLOCK_N
-        row_b = N_OUT + row_a  # SiLU: the up row of gate row j is j + N_OUT
+    tile0 = gl.program_id(0) * TILES
     dtype: gl.constexpr = w_desc.dtype
     smem_a = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, BLOCK_K], w_desc.layout)
     if PAIRED:
@@ -117,9 +178,9 @@ def tma_gemv_kernel(
     # The weights never depend on the previous kernel: fill the ring before the wait.
     if PREFETCH:
         for s in gl.static_range(STAGES):
-            if s < NUM_K:
-                _issue(w_desc, bars.index(s), smem_a.index(s), smem_b.index(s), row_a, row_b,
-                       s * BLOCK_K, PAIRED)
+            if s < TOTAL:
+                _issue_item(w_desc, bars, smem_a, smem_b, s, tile0, N_OUT, BLOCK_N, BLOCK_K,
+                            NUM_K, STAGES, EPILOGUE, HEAD_DIM)
     if USE_PDL:
         if EARLY_RELEASE:
             _gdc_launch_dependents()
@@ -129,61 +190,39 @@ def tma_gemv_kernel(
             _gdc_launch_dependents()
     if not PREFETCH:
         for s in gl.static_range(STAGES):
-            if s < NUM_K:
-                _issue(w_desc, bars.index(s), smem_a.index(s), smem_b.index(s), row_a, row_b,
-                       s * BLOCK_K, PAIRED)
+            if s < TOTAL:
+                _issue_item(w_desc, bars, smem_a, smem_b, s, tile0, N_OUT, BLOCK_N, BLOCK_K,
+                            NUM_K, STAGES, EPILOGUE, HEAD_DIM)
 
     acc_a = gl.zeros([BLOCK_N, BLOCK_K], gl.float32, layout)
     acc_b = gl.zeros([BLOCK_N, BLOCK_K], gl.float32, layout)
     sum_sq = gl.zeros([BLOCK_K], gl.float32, col_layout)
     cols = gl.arange(0, BLOCK_K, layout=col_layout)
-    for k in range(NUM_K):
-        slot = k % STAGES
-        mbarrier.wait(bars.index(slot), (k // STAGES) & 1)
-        x = gl.load(x_ptr + k * BLOCK_K + cols).to(gl.float32)
+    for i in range(TOTAL):
+        slot = i % STAGES
+        k0 = (i % NUM_K) * BLOCK_K
+        mbarrier.wait(bars.index(slot), (i // STAGES) & 1)
+        x = gl.load(x_ptr + k0 + cols).to(gl.float32)
         if HAS_NORM:
             sum_sq += x * x
-            x = x * gl.load(norm_w_ptr + k * BLOCK_K + cols).to(gl.float32)
+            x = x * gl.load(norm_w_ptr + k0 + cols).to(gl.float32)
         acc_a += smem_a.index(slot).load(layout).to(gl.float32) * x[None, :]
         if PAIRED:
             acc_b += smem_b.index(slot).load(layout).to(gl.float32) * x[None, :]
-        # Every warp has read slot before its next TMA overwrites it.
+        # Every warp has read the slot before its next TMA overwrites it.
         gl.thread_barrier()
-        if k + STAGES < NUM_K:
-            _issue(w_desc, bars.index(slot), smem_a.index(slot), smem_b.index(slot), row_a, row_b,
-                   (k + STAGES) * BLOCK_K, PAIRED)
+        if i + STAGES < TOTAL:
+            _issue_item(w_desc, bars, smem_a, smem_b, i + STAGES, tile0, N_OUT, BLOCK_N,
+                        BLOCK_K, NUM_K, STAGES, EPILOGUE, HEAD_DIM)
+        if i % NUM_K == NUM_K - 1:  # a row tile's last K tile: its outputs, then the next
+            _store_tile(acc_a, acc_b, sum_sq, tile0 + i // NUM_K, residual_ptr, out_ptr,
+                        positions_ptr, cos_sin_ptr, N_OUT, stride_cs, eps, K, BLOCK_N,
+                        HAS_NORM, EPILOGUE, HEAD_DIM, NUM_ROPE_HEADS, row_layout)
+            acc_a = gl.zeros([BLOCK_N, BLOCK_K], gl.float32, layout)
+            acc_b = gl.zeros([BLOCK_N, BLOCK_K], gl.float32, layout)
+            sum_sq = gl.zeros([BLOCK_K], gl.float32, col_layout)
     for s in gl.static_range(STAGES):
         mbarrier.invalidate(bars.index(s))
-
-    y_a = gl.sum(acc_a, axis=1)
-    y_b = gl.sum(acc_b, axis=1)
-    if HAS_NORM:
-        rstd = gl.rsqrt(gl.sum(sum_sq, axis=0) / K + eps)
-        y_a = y_a * rstd
-        y_b = y_b * rstd
-    offs = gl.arange(0, BLOCK_N, layout=row_layout)
-    out_ty: gl.constexpr = out_ptr.dtype.element_ty
-    # Round to the model dtype where the unfused path's matmul output is rounded (as
-    # gemv_tiles.apply_epilogue does).
-    y_a = y_a.to(out_ty).to(gl.float32)
-    y_b = y_b.to(out_ty).to(gl.float32)
-    if EPILOGUE == 0:
-        gl.store(out_ptr + row_a + offs, y_a.to(out_ty))
-    elif EPILOGUE == 1:
-        res = gl.load(residual_ptr + row_a + offs).to(gl.float32)
-        gl.store(out_ptr + row_a + offs, (y_a + res).to(out_ty))
-    elif EPILOGUE == 2:
-        act = (y_a / (1.0 + gl.exp(-y_a))).to(out_ty).to(gl.float32)
-        gl.store(out_ptr + row_a + offs, (act * y_b).to(out_ty))
-    else:
-        pos = gl.load(positions_ptr).to(gl.int64)
-        cos = gl.load(cos_sin_ptr + pos * stride_cs + dim0 + offs).to(gl.float32)
-        sin = gl.load(cos_sin_ptr + pos * stride_cs + HALF + dim0 + offs).to(gl.float32)
-        rotate = head < NUM_ROPE_HEADS
-        out_a = gl.where(rotate, y_a * cos - y_b * sin, y_a)
-        out_b = gl.where(rotate, y_b * cos + y_a * sin, y_b)
-        gl.store(out_ptr + row_a + offs, out_a.to(out_ty))
-        gl.store(out_ptr + row_b + offs, out_b.to(out_ty))
 
 
 @functools.cache
@@ -222,7 +261,7 @@ def tma_gemv(x: torch.Tensor, w: torch.Tensor, w_desc: TensorDescriptor | None =
              num_rope_heads: int = 0, out: torch.Tensor | None = None,
              block_n: int = 16, block_k: int = 256, stages: int = 4, num_warps: int = 4,
              use_pdl: bool = True, early_release: bool = False, skip_wait: bool = False,
-             prefetch: bool = True) -> torch.Tensor:
+             prefetch: bool = True, tiles_per_program: int = 1) -> torch.Tensor:
     """y = epilogue(W @ norm(x)) for one row x [1, K] and W [rows, K] (SiLU: rows =
     2 * N_OUT, gate then up; RoPE: q | k | v heads of head_dim), as gemv.gemv computes it."""
     if x.shape[0] != 1 or w.shape[1] != x.shape[1]:
@@ -242,13 +281,18 @@ def tma_gemv(x: torch.Tensor, w: torch.Tensor, w_desc: TensorDescriptor | None =
     if out is None:
         out = torch.empty(1, n_out, device=x.device, dtype=x.dtype)
     rope = epilogue == "rope"
-    grid = (w.shape[0] // 2 // block_n,) if rope else (n_out // block_n,)
+    num_tiles = w.shape[0] // 2 // block_n if rope else n_out // block_n
+    if num_tiles % tiles_per_program:
+        raise ValueError(f"tma_gemv: tiles_per_program={tiles_per_program} must divide the "
+                         f"{num_tiles} row tiles of {block_n} rows")
+    grid = (num_tiles // tiles_per_program,)
     tma_gemv_kernel[grid](
         w_desc, x, norm_weight if norm_weight is not None else x,
         residual if residual is not None else out, out,
         positions if rope else x, cos_sin_cache if rope else x, n_out,
         cos_sin_cache.stride(0) if rope else 0, eps,
         K=x.shape[1], BLOCK_N=block_n, BLOCK_K=block_k, STAGES=stages,
+        TILES=tiles_per_program,
         HAS_NORM=norm_weight is not None, EPILOGUE=_EPILOGUES[epilogue],
         HEAD_DIM=head_dim if rope else 0, NUM_ROPE_HEADS=num_rope_heads if rope else 0,
         USE_PDL=use_pdl, EARLY_RELEASE=early_release, SKIP_WAIT=skip_wait,

@@ -111,3 +111,35 @@ def test_gemv_runs_the_tma_kernel_for_its_config(epilogue, monkeypatch):
     assert len(calls) == 1 and calls[0]["stages"] == 3 and calls[0]["block_n"] == 8
     scale = fma.double().abs().max().item()
     assert (got.double() - fma.double()).abs().max().item() <= 2 ** -7 * scale
+
+
+@needs_sm90
+@pytest.mark.parametrize("rows,k,epilogue,norm,tiles", [
+    (6144, 4096, "none", True, 6), (4096, 4096, "residual", False, 4),
+    (2 * 14336, 4096, "silu", True, 14), (4096, 14336, "residual", False, 4),
+    (6144, 4096, "rope", True, 3)])
+def test_tma_gemv_programs_over_several_row_tiles(rows, k, epilogue, norm, tiles):
+    """128 programs, each streaming `tiles` consecutive row tiles through one ring (the
+    ring runs on across a tile's end, and the accumulators restart): the same result as
+    one tile per program, and float64's."""
+    from shared.model import gemv_tma
+    from shared.model.layers import RotaryEmbedding
+    x = _rand(1, k, seed=11)
+    w = _rand(rows, k, seed=12, scale=0.02)
+    g = (1 + _rand(k, seed=13, scale=0.1)) if norm else None
+    n_out = rows // 2 if epilogue == "silu" else rows
+    kw = dict(norm_weight=g, eps=1e-5, epilogue=epilogue, block_n=8, stages=8)
+    if epilogue == "residual":
+        kw["residual"] = _rand(1, n_out, seed=14)
+    if epilogue == "rope":
+        rope = RotaryEmbedding(128, 128, 64, {"rope_type": "default", "rope_theta": 1e4})
+        kw.update(positions=torch.tensor([37], device="cuda"), head_dim=128,
+                  cos_sin_cache=rope.cos_sin_cache.to("cuda"), num_rope_heads=40)
+    got = gemv_tma.tma_gemv(x, w, tiles_per_program=tiles, **kw)
+    one = gemv_tma.tma_gemv(x, w, **kw)
+    assert torch.equal(got, one)  # same sums in the same order, per row tile
+    if epilogue != "rope":
+        want = _reference(x, w, g, 1e-5, epilogue, kw.get("residual"))
+        assert (got.double() - want).abs().max().item() <= 2 ** -7 * want.abs().max().item()
+    with pytest.raises(ValueError, match="tiles_per_program=5 must divide"):
+        gemv_tma.tma_gemv(x, w, tiles_per_program=5, **kw)
