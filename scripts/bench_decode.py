@@ -46,14 +46,6 @@ PREVIOUS_LLAMA_GEMV = {
     "silu+norm:28672x4096:m1:bfloat16": (32, 256, 4, 2, 0),
     "residual:4096x14336:m1:bfloat16": (32, 512, 4, 5, 1),
 }
-# The table's FMA configs for the same four (commit 0b12975), before the TMA kernel: the
-# "fmagemv" mode runs them beside a table that names gemv_tma's kernel.
-FMA_LLAMA_GEMV = {
-    "rope+norm:6144x4096:m1:bfloat16": (4, 256, 4, 1, 2, 1),
-    "residual:4096x4096:m1:bfloat16": (8, 512, 8, 1, 2, 1),
-    "silu+norm:28672x4096:m1:bfloat16": (8, 128, 4, 1, 2, 1),
-    "residual:4096x14336:m1:bfloat16": (8, 512, 8, 1, 2, 1),
-}
 LLAMA_RUNNERS = ("v1-cublas", "v1-nopdl", "v1-nofusedkv", "v1", "v2", "v2-async")
 
 
@@ -74,8 +66,6 @@ def make_engine(model: str, runner: str, eager: bool, max_num_seqs: int, sizes: 
       triton_backend.num_splits_for);
     - "prevgemv": llama's four layer GEMVs with the configs of the table before
       bench_gemv_variants (PREVIOUS_LLAMA_GEMV);
-    - "fmagemv": the same four with the FMA configs of the table before the TMA kernel
-      (FMA_LLAMA_GEMV);
     - "hintN": every GEMV's weight loads with cache hint N (gemv.WEIGHT_LOAD_HINT);
     - "noattn" (a diagnostic, its tokens are wrong): every attention layer returns its q
       unchanged, launching nothing, so the row prices the attention's share of the step.
@@ -88,7 +78,7 @@ def make_engine(model: str, runner: str, eager: bool, max_num_seqs: int, sizes: 
                 if (g := re.fullmatch(r"attn(min|tile|warps|stages|splits)(\d+)", m))}
     hints = [int(m[4:]) for m in modes if re.fullmatch(r"hint\d", m)]
     unknown = (modes - {"async", "cublas", "nopdl", "nofusedkv", "fusedkv", "preload",
-                        "nopreload", "noattn", "prevgemv", "fmagemv"} - set(numbered)
+                        "nopreload", "noattn", "prevgemv"} - set(numbered)
                - {f"hint{h}" for h in hints})
     if unknown:
         raise ValueError(f"bench_decode --rows: unknown mode(s) {sorted(unknown)} in {runner}-{mode}")
@@ -96,8 +86,6 @@ def make_engine(model: str, runner: str, eager: bool, max_num_seqs: int, sizes: 
     gemv.WEIGHT_LOAD_HINT = hints[0] if hints else _WEIGHT_LOAD_HINT
     if "prevgemv" in modes:
         gemv.CONFIG_OVERRIDES.update(PREVIOUS_LLAMA_GEMV)
-    if "fmagemv" in modes:
-        gemv.CONFIG_OVERRIDES.update(FMA_LLAMA_GEMV)
     if "noattn" in modes:
         Attention.forward = lambda self, q, k, v: q
     triton_utils.PDL_ENABLED = "nopdl" not in modes

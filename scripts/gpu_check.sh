@@ -2,12 +2,12 @@
 # The GPU machine's one entry point: install what the image lacks from carried wheels,
 # run the gpu-marked tests, run the benchmarks, write everything under $OUT.
 #
-#   scripts/gpu_check.sh [gemv|tune|tests|tma|attention|decode|profile|ab|ab_async|hf|all]...
+#   scripts/gpu_check.sh [gemv|tune|tests|boundary|attention|decode|profile|ab|ab_async|hf|all]...
 #
 # Stages run in the order of this file, whatever the order of the arguments: gemv and tune
 # come first because they write the GEMV launch table (shared/model/gemv_configs.json)
 # that the later stages' models read: gemv per shape, tune llama-3-8b's layer GEMVs inside
-# the decode step. GEMV_ARGS, TUNE_ARGS, TMA_ARGS, DECODE_ARGS and GPU_TESTS pass arguments on.
+# the decode step. GEMV_ARGS, TUNE_ARGS, DECODE_ARGS and GPU_TESTS pass arguments on.
 #
 # Run through the device tool from the repository root, carrying `.whl`:
 #   python3 -m pip download ... -d .whl pydantic==2.14.4 pydantic-core==2.50.5 \
@@ -47,9 +47,7 @@ if want tests; then
     --junitxml="$OUT/pytest_gpu.xml" ${GPU_TESTS:-tests} 2>&1 | tee "$OUT/pytest_gpu.log"
   status=$((status | ${PIPESTATUS[0]}))
 fi
-if want tma; then
-  python3 scripts/bench_tma_gemv.py --out "$OUT/tma_gemv.json" ${TMA_ARGS:-} 2>&1 \
-    | tee "$OUT/tma_gemv.log"
+if want boundary; then
   python3 scripts/bench_pdl_boundary.py --out "$OUT/pdl_boundary.json" 2>&1 \
     | tee "$OUT/pdl_boundary.log"
 fi

@@ -40,18 +40,15 @@ from shared.model import gemv  # noqa: E402
 # other kernels' best few from h200_gemv_variants and the tables before.
 _FMA2 = [(n, k, w, 1, 2, 1) for n in (4, 8, 16) for k in (128, 256, 512) for w in (4, 8)]
 _FMA3 = [(n, k, w, 1, 3, 1) for n in (4, 8, 16) for k in (128, 256) for w in (4, 8)]
-# the TMA-ring kernel (gemv_tma.py): num_stages is the ring's depth
-_TMA = [(n, 256, 4, s, gemv.TMA_KERNEL, 1) for n in (4, 8, 16) for s in (2, 3, 4, 6)] + [
-    (4, 256, 2, 4, gemv.TMA_KERNEL, 1), (8, 256, 8, 4, gemv.TMA_KERNEL, 1)]
 # Not here: the dot kernel in 16- or 32-row tiles with 3-5 cp.async stages (the LM head's
 # kind of config at many programs). On the layer GEMVs every one lost, by 0.1-6 ms per
 # step (docs/results, h200_gemv_tune_in_step_dot).
 CANDIDATES = {
-    "rope+norm:6144x4096:m1:bfloat16": _FMA2 + _FMA3 + _TMA + [(8, 256, 8, 2, 0, 1)],
-    "residual:4096x4096:m1:bfloat16": _FMA2 + _FMA3 + _TMA + [(8, 512, 8, 4, 0, 1)],
-    "silu+norm:28672x4096:m1:bfloat16": _FMA2 + _FMA3 + _TMA + [
+    "rope+norm:6144x4096:m1:bfloat16": _FMA2 + _FMA3 + [(8, 256, 8, 2, 0, 1)],
+    "residual:4096x4096:m1:bfloat16": _FMA2 + _FMA3 + [(8, 512, 8, 4, 0, 1)],
+    "silu+norm:28672x4096:m1:bfloat16": _FMA2 + _FMA3 + [
         (64, 256, 4, 3, 1, 0), (32, 256, 4, 2, 0, 1)],
-    "residual:4096x14336:m1:bfloat16": _FMA2 + _FMA3 + _TMA + [(32, 512, 4, 5, 1, 1)],
+    "residual:4096x14336:m1:bfloat16": _FMA2 + _FMA3 + [(32, 512, 4, 5, 1, 1)],
     # the LM head: only the runs from the fifth session on time it (see the docstring)
     "none:128256x4096:m1:bfloat16": _FMA2 + [
         (64, 128, 4, 3, 1, 1), (64, 128, 4, 3, 1, 0), (32, 128, 4, 3, 1, 1),
@@ -60,7 +57,6 @@ CANDIDATES = {
 ONLY = {  # --only: a subset of the candidates
     "fma3": lambda key, cfg: cfg[4] == 3 or key.startswith("none"),
     "lmhead": lambda key, cfg: key.startswith("none"),
-    "tma": lambda key, cfg: cfg[4] == gemv.TMA_KERNEL,
 }
 
 
@@ -90,7 +86,7 @@ def main() -> int:
     p.add_argument("--rounds", type=int, default=1)
     p.add_argument("--only", default="", choices=["", *ONLY],
                    help="'fma3': only the kernel-3 candidates and the LM head's; 'lmhead': only "
-                        "the LM head's; 'tma': only the TMA-ring kernel's (default: all)")
+                        "the LM head's (default: all)")
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--margin", type=float, default=0.004, help="ms a candidate must win by")
     p.add_argument("--confirm", type=int, default=3)

@@ -58,7 +58,7 @@ from shared.model.gemv_tiles import (
     x_tile_dot,
     x_tile_fma,
 )
-from shared.triton_utils import INTERPRET, pdl_launch, pdl_wait_and_release, tl, triton
+from shared.triton_utils import pdl_launch, pdl_wait_and_release, tl, triton
 
 # Token counts up to this take the GEMV path. Measured (docs/results, h200_gemv.log): with
 # the M=1 configs a layer's fused GEMVs are only 1-3% faster than cuBLAS + separate kernels
@@ -75,21 +75,9 @@ _DEFAULT_CONFIG = (16, 512, 4, 3, 0)
 # 2 L2 only. Evict-first measured 0.03 ms faster per llama-3-8b batch-1 step on the H200
 # (h200_decode_llama3_8b_weight_hint.json: 3.995 against 4.024 ms; L2 only: 4.019).
 WEIGHT_LOAD_HINT = 1
-# A config's kernel id for shared/model/gemv_tma.py: the weight stream through a TMA ring
-# of num_stages tiles in shared memory, filled before the PDL wait (sm_90+).
-TMA_KERNEL = 4
 # Benchmarks set entries (config_key -> config) to run a shape with another config than
 # the table's, e.g. the table a result was measured with before.
 CONFIG_OVERRIDES: dict[str, tuple] = {}
-
-
-def _tma_takes(x, weight, block_n, block_k, epilogue, head_dim, has_bias) -> bool:
-    """A config naming the TMA kernel applies where gemv_tma supports the call (CUDA sm_90+,
-    one bf16/fp16 row, no bias, exact tiles); elsewhere its sizes run the FMA kernel."""
-    if not x.is_cuda or INTERPRET:
-        return False
-    from shared.model import gemv_tma
-    return gemv_tma.supports(x, weight, block_n, block_k, epilogue, head_dim, has_bias)
 
 
 def use_gemv(x: torch.Tensor) -> bool:
@@ -281,15 +269,6 @@ def gemv(
         return out
     key = config_key(epilogue, norm_weight is not None, rows, k, num_tokens, x.dtype)
     block_n, block_k, num_warps, num_stages, kernel, preload = _config_for(x, key, config)
-    if kernel == TMA_KERNEL and _tma_takes(x, weight, block_n, block_k, epilogue, head_dim,
-                                           bias is not None):
-        from shared.model import gemv_tma
-        return gemv_tma.tma_gemv(
-            x, weight, norm_weight=norm_weight, eps=eps, epilogue=epilogue,
-            residual=residual, positions=positions, cos_sin_cache=cos_sin_cache,
-            head_dim=head_dim, num_rope_heads=num_rope_heads, out=out, block_n=block_n,
-            block_k=block_k, stages=num_stages, num_warps=num_warps,
-            use_pdl=bool(pdl_launch(x)))
     use_dot = kernel == 1
     # kernels 2 and 3: that many weight tiles in flight, one token row only
     fma_depth = kernel if kernel in (2, 3) and num_tokens == 1 else 0
