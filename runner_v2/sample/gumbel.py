@@ -1,9 +1,8 @@
 """Gumbel-max sampling in Triton: the shared noise, per-block argmax, final reduction.
 
-The noise is bit-identical to shared/sampling/noise.py (the spec is in its docstring):
-uint32 MurmurHash3 fmix32 chains over (seed, pos, vocab id) -> u in (0, 1) from 52
-bits -> -log(-log(u)) in float64. Every floating-point step matches the PyTorch V1
-sampler operation by operation: fp32 division with `div_rn` (a plain `/` is an
+The noise's device functions come from shared/sampling/noise_kernels.py, bit-identical
+to shared/sampling/noise.py (the spec is in its docstring). Every floating-point step
+matches the PyTorch V1 sampler operation by operation: fp32 division with `div_rn` (a plain `/` is an
 approximate division on the GPU), launches with enable_fp_fusion=False (no FMA), so
 seeded tokens agree across runners, batch makeup and row order.
 
@@ -15,9 +14,8 @@ from __future__ import annotations
 
 import torch
 
+from shared.sampling.noise_kernels import NOISE_BLOCK, gumbel_noise, row_lanes
 from shared.triton_utils import tl, triton
-
-NOISE_BLOCK = 1024  # vocab block per program; also the interpreter's sweet spot
 
 
 @triton.jit
@@ -28,40 +26,6 @@ def div_ieee(x, y, IS_FP64: tl.constexpr):
     else:
         r = tl.math.div_rn(x, y)
     return r
-
-
-@triton.jit
-def fmix32(h):
-    """MurmurHash3's finaliser on uint32 (wrapping multiplies, logical shifts)."""
-    h = h ^ (h >> 16)
-    h = h * tl.full([], 0x85EBCA6B, tl.uint32)
-    h = h ^ (h >> 13)
-    h = h * tl.full([], 0xC2B2AE35, tl.uint32)
-    return h ^ (h >> 16)
-
-
-@triton.jit
-def row_lanes(seed, pos):
-    """The per-row state of both lanes; seed int64 in [0, 2**63), pos int64."""
-    seed_lo = (seed & 0xFFFFFFFF).to(tl.uint32)
-    seed_hi = (seed >> 32).to(tl.uint32)
-    pos32 = (pos & 0xFFFFFFFF).to(tl.uint32)
-    hi = fmix32(tl.full([], 0x9E3779B9, tl.uint32) ^ seed_lo)
-    hi = fmix32(fmix32(hi ^ seed_hi) ^ pos32)
-    lo = fmix32(tl.full([], 0x7F4A7C15, tl.uint32) ^ seed_lo)
-    lo = fmix32(fmix32(lo ^ seed_hi) ^ pos32)
-    return hi, lo
-
-
-@triton.jit
-def gumbel_noise(lane_hi, lane_lo, vocab_ids):
-    """float64 Gumbel noise for the given vocab ids of one row."""
-    ids = vocab_ids.to(tl.uint32)
-    hi = fmix32(lane_hi ^ ids).to(tl.uint64)
-    lo = fmix32(lane_lo ^ ids).to(tl.uint64)
-    m = (hi << 20) | (lo >> 12)  # 52 bits
-    u = (m * 2 + 1).to(tl.float64) * 1.1102230246251565e-16  # 2**-53, exact
-    return -tl.log(-tl.log(u))
 
 
 @triton.jit
@@ -78,37 +42,6 @@ def to_compute(x, IS_FP64: tl.constexpr):
 def load_logits(row_ptr, offs, valid, IS_FP64: tl.constexpr):
     """One block of a row in the compute dtype; lanes past the vocabulary read -inf."""
     return to_compute(tl.load(row_ptr + offs, mask=valid, other=float("-inf")), IS_FP64)
-
-
-# ---- noise alone (tests, debugging) -------------------------------------------------
-
-
-@triton.jit
-def _noise_kernel(
-    seeds_ptr,  # int64 [N]
-    pos_ptr,  # int64 [N]
-    out_ptr,  # float64 [N, vocab_size]
-    vocab_size,
-    BLOCK: tl.constexpr,
-):
-    b = tl.program_id(0)
-    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    lane_hi, lane_lo = row_lanes(tl.load(seeds_ptr + b), tl.load(pos_ptr + b))
-    noise = gumbel_noise(lane_hi, lane_lo, offs)
-    tl.store(out_ptr + b * vocab_size + offs, noise, mask=offs < vocab_size)
-
-
-def triton_gumbel_noise(
-    seeds: torch.Tensor, positions: torch.Tensor, vocab_size: int, block: int = NOISE_BLOCK
-) -> torch.Tensor:
-    """float64 [N, vocab_size]; the Triton twin of shared.sampling.noise.gumbel_noise."""
-    assert seeds.dtype == torch.int64 and positions.dtype == torch.int64
-    assert seeds.dim() == 1 and positions.shape == seeds.shape
-    n = seeds.shape[0]
-    out = torch.empty(n, vocab_size, dtype=torch.float64, device=seeds.device)
-    grid = (n, triton.cdiv(vocab_size, block))
-    _noise_kernel[grid](seeds, positions, out, vocab_size, BLOCK=block, enable_fp_fusion=False)
-    return out
 
 
 # ---- sampling -----------------------------------------------------------------------

@@ -22,9 +22,27 @@ Definition (all words are unsigned 32-bit, every operation is taken modulo 2**32
 
     m = (hi << 20) | (lo >> 12)      # 52 random bits
     u = (2 * m + 1) * 2**-53         # float64, an odd multiple of 2**-53
-    g = -log(-log(u))                # float64
+    g = -nlog(-nlog(u))              # float64, nlog below
+
+    nlog(x), for a positive normal float64 x, in float64 with every operation rounded once
+    (IEEE add, subtract, multiply, divide; integer and bit operations exact):
+        bits = the 64 bits of x;  e = (bits >> 52) - 1023;  f = bits & (2**52 - 1)
+        if f >= 0x6A09E667F3BCD:  m = float with bits f | 0x3FE0000000000000; e += 1
+        else:                     m = float with bits f | 0x3FF0000000000000
+        s = (m - 1) / (m + 1);  z = s * s      # m in [sqrt(2)/2, sqrt(2)), |s| < 0.172
+        p = C[10];  for k = 9 .. 0:  p = p * z + C[k]     # C[k] = float64(1 / (2k + 1))
+        t = s * p
+        nlog(x) = e * LN2 + (t + t)             # LN2 = float64(log 2); e as float64
 
 Why these choices:
+* nlog, not the platform's log: libm's log (NumPy, torch on CPU), CUDA's and Triton's
+  differ by an ulp on ~0.1 % of inputs, so a noise built on them is identical only
+  where the same library computes it. nlog uses only correctly rounded operations, in
+  a fixed order and without fused multiply-adds (Triton launches with
+  enable_fp_fusion=False), so the torch path (CPU and CUDA), the Triton kernels
+  (compiled and interpreted) and the NumPy reference give the same bits by
+  construction. It is log(x) to about an ulp (2 atanh(s) series, truncated past
+  z**10 < 2e-16): the noise stays Gumbel-distributed.
 * Two lanes with different keys give 64 independent-looking bits per (seed, pos, id);
   each lane is a bijection of vocab_id for a fixed row, so within one row no two tokens
   share a lane value.
@@ -88,11 +106,59 @@ def uniform(
     return (2 * m + 1).to(torch.float64) * U_SCALE
 
 
-def gumbel_noise(
+# nlog's constants, as float64 bit patterns (the Triton twin spells the same bits)
+LN2_BITS = 0x3FE62E42FEFA39EF
+SQRT2_FRACTION = 0x6A09E667F3BCD  # the 52 fraction bits of float64(sqrt(2))
+FRACTION_MASK = (1 << 52) - 1
+EXPONENT_ONE = 0x3FF0000000000000  # the exponent field of 1.0
+EXPONENT_HALF = 0x3FE0000000000000  # ... and of 0.5
+LOG_SERIES = tuple(1.0 / (2 * k + 1) for k in range(11))  # C[k], exactly float64(1/(2k+1))
+
+
+def _bits_to_float(bits: int) -> float:
+    return torch.tensor(bits, dtype=torch.int64).view(torch.float64).item()
+
+
+LN2 = _bits_to_float(LN2_BITS)
+
+
+def nlog(x: torch.Tensor) -> torch.Tensor:
+    """The noise's log (spec above) for positive normal float64 x; every step is one
+    torch op, so nothing is fused and each result is rounded once."""
+    bits = x.view(torch.int64)
+    e = (bits >> 52) - 1023
+    f = bits & FRACTION_MASK
+    big = f >= SQRT2_FRACTION
+    m = (f | torch.where(big, EXPONENT_HALF, EXPONENT_ONE)).view(torch.float64)
+    e = (e + big.to(torch.int64)).to(torch.float64)
+    s = (m - 1.0) / (m + 1.0)
+    z = s * s
+    p = torch.full_like(z, LOG_SERIES[10])
+    for c in reversed(LOG_SERIES[:10]):  # Horner over 10 coefficients, not over tokens
+        p = p * z
+        p = p + c
+    t = s * p
+    return e * LN2 + (t + t)
+
+
+def torch_gumbel_noise(
     seeds: torch.Tensor, positions: torch.Tensor, vocab_size: int
 ) -> torch.Tensor:
-    """Gumbel noise float64 [N, vocab_size] for rows (seeds[i], positions[i])."""
+    """Gumbel noise float64 [N, vocab_size] for rows (seeds[i], positions[i]), in torch ops."""
     assert seeds.dim() == 1 and positions.shape == seeds.shape
     ids = torch.arange(vocab_size, dtype=torch.int64, device=seeds.device)
     u = uniform(seeds[:, None], positions[:, None], ids[None, :])
-    return -torch.log(-torch.log(u))
+    return -nlog(-nlog(u))
+
+
+def gumbel_noise(
+    seeds: torch.Tensor, positions: torch.Tensor, vocab_size: int
+) -> torch.Tensor:
+    """Gumbel noise float64 [N, vocab_size]. On CUDA one Triton kernel writes it (the torch
+    path would be some sixty elementwise passes over [N, vocab] float64); elsewhere the
+    torch ops. Both give the same bits (the spec's nlog)."""
+    if seeds.is_cuda:
+        from shared.sampling.noise_kernels import triton_gumbel_noise
+
+        return triton_gumbel_noise(seeds, positions.to(torch.int64), vocab_size)
+    return torch_gumbel_noise(seeds, positions, vocab_size)

@@ -64,7 +64,24 @@ def reference_noise(seed: int, pos: int, vocab_ids: np.ndarray) -> np.ndarray:
 
     m = (word(0x9E3779B9) << np.uint64(20)) | (word(0x7F4A7C15) >> np.uint64(12))
     u = (2 * m + 1).astype(np.float64) * 2.0**-53
-    return -np.log(-np.log(u))
+    return -reference_nlog(-reference_nlog(u))
+
+
+def reference_nlog(x: np.ndarray) -> np.ndarray:
+    """The noise's log (spec in shared/sampling/noise.py) in NumPy float64 operations."""
+    bits = np.asarray(x, dtype=np.float64).view(np.int64)
+    f = bits & ((1 << 52) - 1)
+    big = f >= 0x6A09E667F3BCD
+    m = (f | np.where(big, 0x3FE0000000000000, 0x3FF0000000000000)).view(np.float64)
+    e = ((bits >> 52) - 1023 + big).astype(np.float64)
+    s = (m - 1.0) / (m + 1.0)
+    z = s * s
+    p = np.full_like(z, 1.0 / 21)
+    for k in range(9, -1, -1):
+        p = p * z
+        p = p + 1.0 / (2 * k + 1)
+    t = s * p
+    return e * np.log(2.0) + (t + t)
 
 
 @dataclass

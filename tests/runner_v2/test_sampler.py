@@ -13,6 +13,7 @@ from runner_v1.sampler import apply_min_tokens, apply_penalties, filter_threshol
 from runner_v2.sample import Sampler, SamplingStates
 from runner_v2.sample.penalties import apply_penalties_and_min_tokens
 from runner_v2.sample.top_k_top_p import compute_thresholds
+from shared.sampling.noise import uniform
 from shared.sampling_params import SamplingParams
 from tests.runner_v1.test_sampler import (
     FEATURES,
@@ -157,6 +158,53 @@ def test_ties_match_v1(params: dict) -> None:
     state_rows = [4, 15, 0, 8, 2, 6]
     add_rows(states, state_rows, rows)
     assert_same(v2_sample(states, state_rows, rows, logits, None), v1_sample(rows, logits)[0])
+
+
+def test_near_ties_of_noisy_scores_match_v1_and_reference() -> None:
+    """float64 logits built so that each row's best score (logit + noise) ties, to the
+    last bit, with a rival at a vocab id where the platform log (libm) and the spec's nlog
+    round the noise differently. A runner whose noise came from the platform log would
+    flip such rows (checked below, so the test has teeth); the runners agree."""
+    from shared.sampling.noise import torch_gumbel_noise
+    from shared.sampling.semantics import reference_sample_row
+
+    vocab, n = 4096, 8
+    rng = np.random.default_rng(13)
+    rows = [Row(SamplingParams(temperature=1.0, seed=int(rng.integers(2**62))),
+                prompt=[int(t) for t in rng.integers(4, vocab, 5)]) for _ in range(n)]
+    seeds = torch.tensor([r.params.seed for r in rows], dtype=torch.int64)
+    positions = torch.tensor([r.pos for r in rows], dtype=torch.int64)
+    noise = torch_gumbel_noise(seeds, positions, vocab)
+    u = uniform(seeds[:, None], positions[:, None], torch.arange(vocab)[None, :])
+    libm_noise = -torch.log(-torch.log(u))
+    differs = noise != libm_noise
+    rival = differs.to(torch.int64).argmax(dim=1)  # the first id the two logs round apart
+    assert differs.gather(1, rival[:, None]).all()
+    # Every other token is out of the race; the rival's score is its noise, exactly (logit
+    # 0); a partner's logit is nudged until its score equals the rival's to the last bit.
+    logits = torch.full((n, vocab), -1000.0, dtype=torch.float64)
+    for i in range(n):
+        r, b = int(rival[i]), (int(rival[i]) + 1 + i) % vocab
+        target, nb = noise[i, r], noise[i, b]
+        lb = target - nb
+        for _ in range(8):
+            if lb + nb == target:
+                break
+            lb = torch.nextafter(lb, target - nb + (target - (lb + nb)) * 2)
+        logits[i, r], logits[i, b] = 0.0, lb
+    tied = (logits + noise).max(dim=1).values == noise.gather(1, rival[:, None])[:, 0]
+    assert tied.sum() >= n // 2  # near-ties built for most rows
+    flipped = (logits + libm_noise).argmax(dim=1) != (logits + noise).argmax(dim=1)
+    assert flipped.any()  # the platform log would have changed some row's token
+    states = SamplingStates(MAX_REQS, vocab, "cpu")
+    state_rows = [3, 9, 0, 12, 5, 1, 7, 14]
+    add_rows(states, state_rows, rows)
+    v1 = v1_sample(rows, logits)[0]
+    assert_same(v2_sample(states, state_rows, rows, logits, None), v1)
+    for i, r in enumerate(rows):
+        ref = reference_sample_row(logits[i].numpy(), r.params, r.params.seed, r.pos,
+                                   r.prompt, r.outputs, r.eos)
+        assert int(v1.sampled_token_ids[i]) == ref.token_id, f"row {i}"
 
 
 def test_bf16_logits_match_v1() -> None:

@@ -1,17 +1,28 @@
-"""The shared Gumbel noise: PyTorch, Triton and NumPy bit-identical; a pure function of
-(seed, pos, vocab id); u in (0, 1); Gumbel-distributed."""
+"""The shared Gumbel noise: PyTorch, Triton and NumPy bit-identical by construction (the
+spec's nlog uses only correctly rounded operations); a pure function of (seed, pos,
+vocab id); u in (0, 1); Gumbel-distributed."""
 
 from __future__ import annotations
 
 import math
+import struct
 
 import numpy as np
 import pytest
 import torch
 
-from runner_v2.sample.gumbel import triton_gumbel_noise
-from shared.sampling.noise import U_SCALE, gumbel_noise, uniform
-from shared.sampling.semantics import reference_noise
+from shared.sampling.noise import (
+    LN2,
+    LN2_BITS,
+    LOG_SERIES,
+    U_SCALE,
+    gumbel_noise,
+    nlog,
+    torch_gumbel_noise,
+    uniform,
+)
+from shared.sampling.noise_kernels import triton_gumbel_noise
+from shared.sampling.semantics import reference_nlog, reference_noise
 
 EDGE_SEEDS = [0, 1, 2**31 - 1, 2**31, 2**32 - 1, 2**32, 2**32 + 1, 2**62, 2**63 - 1]
 
@@ -28,7 +39,8 @@ def random_rows(n: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
 def test_torch_numpy_triton_bit_identical() -> None:
     seeds, positions = random_rows(12)
     vocab = 1500  # two blocks, the last one partial
-    torch_noise = gumbel_noise(seeds, positions, vocab)
+    torch_noise = torch_gumbel_noise(seeds, positions, vocab)
+    assert torch.equal(gumbel_noise(seeds, positions, vocab), torch_noise)  # CPU: torch path
     triton_noise = triton_gumbel_noise(seeds, positions, vocab)
     assert torch.equal(torch_noise, triton_noise)
     for i in range(len(seeds)):
@@ -36,9 +48,60 @@ def test_torch_numpy_triton_bit_identical() -> None:
         assert np.array_equal(torch_noise[i].numpy(), ref), f"row {i}"
 
 
+def _bits(x: float) -> int:
+    return struct.unpack("<q", struct.pack("<d", x))[0]
+
+
+def _from_bits(b: int) -> float:
+    return struct.unpack("<d", struct.pack("<q", b))[0]
+
+
+def spec_nlog(x: float) -> float:
+    """The docstring's nlog, written from the spec in plain Python floats (IEEE float64,
+    each operation rounded once): a fourth implementation nothing else shares."""
+    b = _bits(x)
+    e, f = (b >> 52) - 1023, b & ((1 << 52) - 1)
+    if f >= 0x6A09E667F3BCD:
+        m, e = _from_bits(f | 0x3FE0000000000000), e + 1
+    else:
+        m = _from_bits(f | 0x3FF0000000000000)
+    s = (m - 1.0) / (m + 1.0)
+    z = s * s
+    p = 1.0 / 21
+    for k in range(9, -1, -1):
+        p = p * z + 1.0 / (2 * k + 1)
+    t = s * p
+    return float(e) * math.log(2.0) + (t + t)
+
+
+def test_nlog_is_log_to_an_ulp_and_bit_identical_everywhere() -> None:
+    g = torch.Generator().manual_seed(11)
+    # the domain the noise uses: u in [2**-53, 1), then -log(u) in (1e-16, 37]
+    x = torch.cat([
+        torch.rand(20000, generator=g, dtype=torch.float64),
+        torch.exp(torch.empty(20000, dtype=torch.float64).uniform_(-37.0, 3.7, generator=g)),
+        torch.tensor([2.0**-53, 1 - 2.0**-53, 1.0, 2.0, 0.5, math.sqrt(2), math.sqrt(0.5),
+                      _from_bits(_bits(math.sqrt(2)) - 1), 36.7368005696771, 1.1102230246251565e-16],
+                     dtype=torch.float64),
+    ])
+    x = x[x > 0]
+    got = nlog(x)
+    ref = torch.log(x)
+    ulp = torch.abs(torch.nextafter(ref, torch.full_like(ref, math.inf)) - ref)
+    assert (torch.abs(got - ref) <= 2 * ulp).all()  # a log, not merely a function
+    assert np.array_equal(got.numpy(), reference_nlog(x.numpy()))
+    for xi, gi in zip(x[::97].tolist(), got[::97].tolist()):
+        assert gi == spec_nlog(xi), xi
+
+
+def test_nlog_constants_are_the_float64_values() -> None:
+    assert LN2 == math.log(2.0) and _bits(LN2) == LN2_BITS
+    assert [_bits(c) for c in LOG_SERIES] == [_bits(1.0 / (2 * k + 1)) for k in range(11)]
+
+
 def test_reference_matches_spec_on_known_values() -> None:
-    """Pin a few values computed by hand from the docstring spec (plain Python ints),
-    so that all three implementations cannot drift together."""
+    """Pin a few values computed by hand from the docstring spec (plain Python ints and
+    floats), so that all three implementations cannot drift together."""
     m32 = 0xFFFFFFFF
 
     def fmix(h: int) -> int:
@@ -55,7 +118,7 @@ def test_reference_matches_spec_on_known_values() -> None:
 
         m = (lane(0x9E3779B9) << 20) | (lane(0x7F4A7C15) >> 12)
         u = (2 * m + 1) * 2.0**-53
-        return -math.log(-math.log(u))
+        return -spec_nlog(-spec_nlog(u))
 
     for seed, pos, tok in [(0, 0, 0), (2**63 - 1, 17, 95), (2**32 + 3, 2**31 - 1, 1234)]:
         got = gumbel_noise(torch.tensor([seed]), torch.tensor([pos]), tok + 1)[0, tok].item()
@@ -70,7 +133,7 @@ def test_noise_is_independent_of_batch_position_and_shape() -> None:
     assert torch.equal(gumbel_noise(seeds[5:6], positions[5:6], 300), full[5:6])
     assert torch.equal(gumbel_noise(seeds, positions, 1000)[:, :300], full)  # vocab size
     ids = torch.tensor([299, 0, 17])
-    sub = -torch.log(-torch.log(uniform(seeds[:, None], positions[:, None], ids[None, :])))
+    sub = -nlog(-nlog(uniform(seeds[:, None], positions[:, None], ids[None, :])))
     assert torch.equal(sub, full[:, ids])
     # Triton: other block sizes and batch shapes give the same values
     tri = triton_gumbel_noise(seeds[perm[:4]], positions[perm[:4]], 300, block=128)
@@ -115,12 +178,10 @@ def test_noise_is_standard_gumbel() -> None:
 @pytest.mark.gpu
 def test_torch_cuda_and_compiled_triton_bit_identical() -> None:
     seeds, positions = random_rows(64, seed=5)
-    seeds, positions = seeds.cuda(), positions.cuda()
     vocab = 151_936
-    assert torch.equal(gumbel_noise(seeds, positions, vocab),
-                       triton_gumbel_noise(seeds, positions, vocab))
-    # CPU and CUDA libm may round float64 log differently by an ulp; the integer hash is
-    # exact, so the two devices agree to float64 rounding (runners never mix devices).
-    torch.testing.assert_close(gumbel_noise(seeds, positions, vocab).cpu(),
-                               gumbel_noise(seeds.cpu(), positions.cpu(), vocab),
-                               rtol=1e-14, atol=1e-14)
+    cpu = torch_gumbel_noise(seeds, positions, vocab)
+    seeds, positions = seeds.cuda(), positions.cuda()
+    # by construction: the same bits on CPU and CUDA, in torch ops and in compiled Triton
+    assert torch.equal(torch_gumbel_noise(seeds, positions, vocab).cpu(), cpu)
+    assert torch.equal(triton_gumbel_noise(seeds, positions, vocab).cpu(), cpu)
+    assert torch.equal(gumbel_noise(seeds, positions, vocab).cpu(), cpu)  # CUDA: the kernel

@@ -1,0 +1,115 @@
+"""The shared Gumbel noise in Triton: device functions both samplers' kernels call, and a
+kernel that writes the noise alone (V1 on CUDA, tests).
+
+Bit-identical to shared/sampling/noise.py, whose docstring is the spec: uint32 fmix32
+chains over (seed, pos, vocab id) -> u in (0, 1) from 52 bits -> -nlog(-nlog(u)) in
+float64, where nlog uses only correctly rounded operations. Kernels that call
+`gumbel_noise` must launch with enable_fp_fusion=False: a fused multiply-add would round
+once where the spec rounds twice.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from shared.triton_utils import tl, triton
+
+NOISE_BLOCK = 1024  # vocab block per program; also the interpreter's sweet spot
+
+
+@triton.jit
+def fmix32(h):
+    """MurmurHash3's finaliser on uint32 (wrapping multiplies, logical shifts)."""
+    h = h ^ (h >> 16)
+    h = h * tl.full([], 0x85EBCA6B, tl.uint32)
+    h = h ^ (h >> 13)
+    h = h * tl.full([], 0xC2B2AE35, tl.uint32)
+    return h ^ (h >> 16)
+
+
+@triton.jit
+def row_lanes(seed, pos):
+    """The per-row state of both lanes; seed int64 in [0, 2**63), pos int64."""
+    seed_lo = (seed & 0xFFFFFFFF).to(tl.uint32)
+    seed_hi = (seed >> 32).to(tl.uint32)
+    pos32 = (pos & 0xFFFFFFFF).to(tl.uint32)
+    hi = fmix32(tl.full([], 0x9E3779B9, tl.uint32) ^ seed_lo)
+    hi = fmix32(fmix32(hi ^ seed_hi) ^ pos32)
+    lo = fmix32(tl.full([], 0x7F4A7C15, tl.uint32) ^ seed_lo)
+    lo = fmix32(fmix32(lo ^ seed_hi) ^ pos32)
+    return hi, lo
+
+
+@triton.jit
+def f64(bits):
+    """The float64 whose bit pattern is the int64 `bits`. Constants are spelled this way:
+    a Python float literal in a kernel is a float32 constant, rounded before use."""
+    return tl.full([], bits, tl.int64).to(tl.float64, bitcast=True)
+
+
+@triton.jit
+def nlog(x):
+    """The spec's log for positive normal float64 x (shared/sampling/noise.py)."""
+    bits = x.to(tl.int64, bitcast=True)
+    e = (bits >> 52) - 1023
+    f = bits & 0xFFFFFFFFFFFFF
+    big = f >= 0x6A09E667F3BCD
+    m = (f | tl.where(big, 0x3FE0000000000000, 0x3FF0000000000000)).to(tl.float64, bitcast=True)
+    e = (e + big.to(tl.int64)).to(tl.float64)
+    one = f64(0x3FF0000000000000)
+    s = (m - one) / (m + one)
+    z = s * s
+    p = f64(0x3FA8618618618618)  # 1/21
+    p = p * z + f64(0x3FAAF286BCA1AF28)  # 1/19
+    p = p * z + f64(0x3FAE1E1E1E1E1E1E)  # 1/17
+    p = p * z + f64(0x3FB1111111111111)  # 1/15
+    p = p * z + f64(0x3FB3B13B13B13B14)  # 1/13
+    p = p * z + f64(0x3FB745D1745D1746)  # 1/11
+    p = p * z + f64(0x3FBC71C71C71C71C)  # 1/9
+    p = p * z + f64(0x3FC2492492492492)  # 1/7
+    p = p * z + f64(0x3FC999999999999A)  # 1/5
+    p = p * z + f64(0x3FD5555555555555)  # 1/3
+    p = p * z + one
+    t = s * p
+    return e * f64(0x3FE62E42FEFA39EF) + (t + t)  # ln 2
+
+
+@triton.jit
+def gumbel_noise(lane_hi, lane_lo, vocab_ids):
+    """float64 Gumbel noise for the given vocab ids of one row."""
+    ids = vocab_ids.to(tl.uint32)
+    hi = fmix32(lane_hi ^ ids).to(tl.uint64)
+    lo = fmix32(lane_lo ^ ids).to(tl.uint64)
+    m = (hi << 20) | (lo >> 12)  # 52 bits
+    u = (m * 2 + 1).to(tl.float64) * f64(0x3CA0000000000000)  # 2**-53, exact
+    return -nlog(-nlog(u))
+
+
+@triton.jit
+def _noise_kernel(
+    seeds_ptr,  # int64 [N]
+    pos_ptr,  # int64 [N]
+    out_ptr,  # float64 [N, vocab_size]
+    vocab_size,
+    BLOCK: tl.constexpr,
+):
+    b = tl.program_id(0)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    lane_hi, lane_lo = row_lanes(tl.load(seeds_ptr + b), tl.load(pos_ptr + b))
+    noise = gumbel_noise(lane_hi, lane_lo, offs)
+    tl.store(out_ptr + b.to(tl.int64) * vocab_size + offs, noise, mask=offs < vocab_size)
+
+
+def triton_gumbel_noise(
+    seeds: torch.Tensor, positions: torch.Tensor, vocab_size: int, block: int = NOISE_BLOCK
+) -> torch.Tensor:
+    """float64 [N, vocab_size]; the Triton twin of shared.sampling.noise.torch_gumbel_noise."""
+    assert seeds.dtype == torch.int64 and positions.dtype == torch.int64
+    assert seeds.dim() == 1 and positions.shape == seeds.shape
+    n = seeds.shape[0]
+    out = torch.empty(n, vocab_size, dtype=torch.float64, device=seeds.device)
+    if n == 0:
+        return out
+    grid = (n, triton.cdiv(vocab_size, block))
+    _noise_kernel[grid](seeds, positions, out, vocab_size, BLOCK=block, enable_fp_fusion=False)
+    return out
