@@ -224,6 +224,25 @@ class InputBatch:
         self._sampling_metadata = None
         return row
 
+    def clear(self) -> None:
+        """Forget every request (the engine's recovery after a failed step, which may have
+        stopped half-way through an update, so no per-row invariant is trusted here). Rows
+        become free from 0 up; their arrays keep stale values, which add_request
+        overwrites. The removals are recorded for row-indexed consumers."""
+        live = sorted(self.req_id_to_index.values())
+        self.batch_update_builder = BatchUpdateBuilder()
+        for row in live:
+            self.batch_update_builder.removed(row)
+        self._req_ids[:] = [None] * self.max_num_reqs
+        self.req_id_to_index.clear()
+        self.req_output_token_ids[:] = [None] * self.max_num_reqs
+        self.stop_token_ids[:] = [None] * self.max_num_reqs
+        for row in range(self._num_rows):
+            self.block_table.clear_row(row)
+        self._num_rows = 0
+        self._free_rows = []
+        self._sampling_metadata = None
+
     # ---- moving rows ------------------------------------------------------------------
 
     def condense(self) -> None:

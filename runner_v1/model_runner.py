@@ -130,6 +130,14 @@ class GPUModelRunner(RunnerSetupMixin):
             output = self._bookkeeping(state, sampler_output)
         return output
 
+    def reset_request_states(self) -> None:
+        """Forget every request; model, KV cache and graphs stay. The engine calls it after
+        a failed step, with every request requeued for a recompute (they come back as new
+        requests)."""
+        self._state = None
+        self.requests.clear()
+        self.input_batch.clear()
+
     # ---- the four ordered phases ------------------------------------------------------
     def _update_states(self, so: SchedulerOutput) -> None:
         batch = self.input_batch

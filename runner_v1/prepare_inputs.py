@@ -157,7 +157,15 @@ def prepare_inputs(
     fill_seq_lens(input_batch.num_computed_tokens, num_scheduled, seq_lens_np)
     max_seq_len = int(seq_lens_np[:num_reqs].max())
     # A position at or past num_tokens would read a stale token (or the next row).
-    assert (seq_lens_np[:num_reqs] <= input_batch.num_tokens[:num_reqs]).all()
+    over = np.flatnonzero(seq_lens_np[:num_reqs] > input_batch.num_tokens[:num_reqs])
+    if over.size:
+        row = int(over[0])
+        raise RuntimeError(
+            f"V1 input prep: request {input_batch.req_ids[row]!r} (row {row}) is scheduled up "
+            f"to position {int(seq_lens_np[row])} but the persistent batch holds only "
+            f"{int(input_batch.num_tokens[row])} of its tokens: the scheduler and the runner "
+            "disagree about it (a step that failed without the engine's recovery?)"
+        )
 
     req_indices = compute_req_indices(num_scheduled, buffers.arange)
     positions_np = buffers.positions.np[:num_tokens]

@@ -120,6 +120,9 @@ class BlockTables:
         self.block_table.stage_write(row, start, new_block_ids)
         self.num_blocks[row] = start + n
 
+    def discard_staged_writes(self) -> None:
+        self.block_table.discard_staged_writes()
+
     def apply_staged_writes(self) -> None:
         self.block_table.apply_write()
 

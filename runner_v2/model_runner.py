@@ -131,6 +131,15 @@ class GPUModelRunner(RunnerSetupMixin):
             )
         return async_output
 
+    def reset_request_states(self) -> None:
+        """Forget every request; model, KV cache and graphs stay. The engine calls it after
+        a failed step, with every request requeued for a recompute (they come back as new
+        requests, whose adds overwrite every per-row field, as any add does)."""
+        self._state = None
+        self.req_states.reset()
+        self.block_tables.discard_staged_writes()
+        self.sampling_states.discard_staged_writes()
+
     # ---- state updates ------------------------------------------------------------------
     def _finish_requests(self, so: SchedulerOutput) -> None:
         # Preemption is completion here: a resumed request comes back as a new one.

@@ -153,6 +153,11 @@ class StagedWriteTensor:
     def num_pending_writes(self) -> int:
         return sum(len(runs) for runs in self._pending.values())
 
+    def discard_staged_writes(self) -> None:
+        """Drop the staged writes unshipped. The host mirror keeps them: it is exact again
+        only for rows written anew (every add overwrites its row)."""
+        self._pending = {}
+
     # ---- applying ------------------------------------------------------------------
 
     def apply_write(self) -> None:

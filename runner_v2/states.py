@@ -109,7 +109,11 @@ class RequestState:
                 f"request {req_id!r}: num_computed_tokens {num_computed_tokens} not in "
                 f"[0, prefill_len={prefill_len}]"
             )
-        assert self.free_indices, "no free state rows; raise max_num_seqs"
+        if not self.free_indices:
+            raise RuntimeError(
+                f"request {req_id!r}: all {self.max_num_reqs} state rows are taken (max_num_seqs); "
+                "the scheduler admitted more running requests than max_num_seqs"
+            )
         row = self.free_indices.pop()
         self.req_id_to_index[req_id] = row
         self.index_to_req_id[row] = req_id
@@ -137,6 +141,15 @@ class RequestState:
         del self.index_to_req_id[row]
         self.free_indices.append(row)
         return row
+
+    def reset(self) -> None:
+        """Free every row and drop the writes not yet shipped (the engine's recovery after
+        a failed step). No data is cleared, as on any removal."""
+        self.req_id_to_index.clear()
+        self.index_to_req_id.clear()
+        self.free_indices = list(range(self.max_num_reqs))
+        for tensor in self._staged:
+            tensor.discard_staged_writes()
 
     def apply_staged_writes(self) -> None:
         """Ship this step's staged per-row writes (one copy + one launch per field with

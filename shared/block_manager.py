@@ -176,6 +176,17 @@ class KVCacheManager:
                 self.cached_block_by_hash[block_hash] = block
         self._num_cached_blocks[request] = max(start, num_full)
 
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached hash. Only while no request holds a block (the scheduler's
+        recovery frees them all first): a registered block's KV may never have been
+        written when its step failed."""
+        held = self.num_total_blocks - self.num_free_blocks
+        if held:
+            raise RuntimeError(f"reset_prefix_cache with {held} blocks still held by requests")
+        for block in self.blocks:
+            block.block_hash = None
+        self.cached_block_by_hash.clear()
+
     def free(self, request: Request) -> None:
         """Drop the request's references; blocks nobody uses go to the free queue tail.
 

@@ -239,6 +239,30 @@ class LLMEngine:
 
     # ---- stepping -------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        """One engine step. Exception-safe: when anything in it raises (KeyboardInterrupt
+        included), the scheduler and the runner are rolled back to a consistent state
+        before the exception propagates (`_recover_from_failed_step`), so the next step
+        is correct and no request is lost."""
+        try:
+            return self._step()
+        except BaseException:
+            self._recover_from_failed_step()
+            raise
+
+    def _recover_from_failed_step(self) -> None:
+        """Drop the steps in flight, requeue every running request for a recompute from
+        its confirmed tokens (the scheduler's recovery) and make the runner forget every
+        request. Seeded sampling makes the recomputed tokens the ones the failed step
+        would have produced."""
+        self._pending = None
+        requeued = self.scheduler.recover_from_failed_step()
+        self.runner.reset_request_states()
+        logger.warning(
+            "A step failed; %d running request(s) requeued for recompute, the prefix cache "
+            "emptied and the %s runner's request state reset.", requeued, self.runner_name,
+        )
+
+    def _step(self) -> list[RequestOutput]:
         scheduler_output = self.scheduler.schedule()
         self.runner.execute_model(scheduler_output)
         runner_output = self.runner.sample_tokens(None)

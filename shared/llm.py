@@ -83,10 +83,16 @@ class LLM:
         stream, self.engine.stream_outputs = self.engine.stream_outputs, False
         try:
             self._step_until_done(request_ids, wanted, finished, bar)
+        except BaseException:
+            # generate() owns its requests: on any exception (Ctrl-C included) none may run
+            # on, unseen, inside a later call, or keep its KV blocks. engine.step() has
+            # already rolled itself back when the exception came from inside it.
+            self.engine.abort_request([r for r in request_ids if r not in finished])
+            raise
         finally:
             self.engine.stream_outputs = stream
-        if bar is not None:
-            bar.close()
+            if bar is not None:
+                bar.close()
         results = []
         for request_id, prompt in zip(request_ids, prompts):
             out = finished[request_id]

@@ -21,6 +21,13 @@ Finish reporting:
   SchedulerOutput's finished_req_ids so the runner drops its state;
 - an aborted request is reported by the update_from_output of the step whose
   SchedulerOutput first carries its id in finished_req_ids (the step after the abort).
+
+A failed step (any exception between schedule() and the end of update_from_output(),
+KeyboardInterrupt included): the engine calls `recover_from_failed_step()`, which rolls
+every live request back to what the scheduler had confirmed (the tokens appended by
+updates that completed) and requeues it for a recompute, like a preemption of
+everything; the runner forgets all request state at the same time. Finishes that a
+half-done update applied are reported by the next update, so nothing is lost.
 """
 
 from __future__ import annotations
@@ -52,9 +59,13 @@ class _InFlightStep:
 
     scheduler_output: SchedulerOutput
     scheduled: dict[str, Request]
-    aborted: list[Request] = field(default_factory=list)
+    # Finished (aborted, or stopped by a failed step's update) but not yet reported.
+    unreported: list[Request] = field(default_factory=list)
     # Requests this step samples for: each holds a placeholder until the update.
     sampling: list[Request] = field(default_factory=list)
+    # Requests this step's update finished, kept until the update returns: if it
+    # raises, the recovery reports them with the next step.
+    finished: list[Request] = field(default_factory=list)
 
 
 class Scheduler:
@@ -90,7 +101,7 @@ class Scheduler:
         self.running: list[Request] = []
         # Finishes since the last schedule(), handed to the runner by the next one.
         self.finished_req_ids: set[str] = set()
-        self._aborted_unreported: list[Request] = []
+        self._unreported: list[Request] = []  # finishes the next update reports
         self._in_flight: dict[int, _InFlightStep] = {}  # id(SchedulerOutput) -> record
 
     # ---- queries -----------------------------------------------------------------------
@@ -112,7 +123,7 @@ class Scheduler:
     def has_finished_requests(self) -> bool:
         """Finishes the runner has not been told about yet (or aborts not yet reported):
         one more step (possibly of zero tokens) is due even with no unfinished request."""
-        return bool(self.finished_req_ids or self._aborted_unreported)
+        return bool(self.finished_req_ids or self._unreported)
 
     # ---- requests in and out -------------------------------------------------------------
 
@@ -140,7 +151,7 @@ class Scheduler:
             else:
                 self.waiting.remove(request)
             self._finish(request, RequestStatus.FINISHED_ABORTED)
-            self._aborted_unreported.append(request)
+            self._unreported.append(request)
             aborted.append(request)
         return aborted
 
@@ -161,10 +172,8 @@ class Scheduler:
             self._schedule_waiting(step)
         out = step.build(self.finished_req_ids)
         self.finished_req_ids = set()
-        self._in_flight[id(out)] = _InFlightStep(
-            out, step.scheduled, self._aborted_unreported, step.sampling
-        )
-        self._aborted_unreported = []
+        self._in_flight[id(out)] = _InFlightStep(out, step.scheduled, self._unreported, step.sampling)
+        self._unreported = []
         return out
 
     def _num_new_tokens(self, request: Request, num_computed: int, token_budget: int) -> int:
@@ -246,15 +255,42 @@ class Scheduler:
             self.running.append(request)
             step.add_new(request, num_new)
 
+    # ---- recovery ----------------------------------------------------------------------
+
+    def recover_from_failed_step(self) -> int:
+        """After an exception anywhere in a step (or in a step still in flight under async
+        scheduling): drop every in-flight step, preempt every running request (blocks
+        freed, recomputed from its confirmed tokens when next scheduled, ahead of the
+        requests that were waiting) and empty the prefix cache, whose blocks this step
+        registered before its forward wrote them. The runner must forget every request
+        too (its reset_request_states()). Returns the number of requests requeued."""
+        for record in self._in_flight.values():
+            self._unreported.extend(record.unreported)
+            self._unreported.extend(record.finished)
+        self._in_flight.clear()
+        requeued = len(self.running)
+        for request in reversed(self.running):
+            self.kv_cache_manager.free(request)
+            request.status = RequestStatus.PREEMPTED
+            self.waiting.appendleft(request)
+        self.running = []
+        for request in self.waiting:
+            request.num_computed_tokens = 0
+            request.num_output_placeholders = 0  # in-flight tokens are dropped, not awaited
+        self.kv_cache_manager.reset_prefix_cache()
+        # The runner forgets every request, so there is nothing left to tell it.
+        self.finished_req_ids = set()
+        return requeued
+
     # ---- update ----------------------------------------------------------------------
 
     def update_from_output(
         self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
     ) -> list[RequestUpdate]:
-        record = self._in_flight.pop(id(scheduler_output), None)
+        record = self._in_flight.get(id(scheduler_output))
         if record is None or record.scheduler_output is not scheduler_output:
             raise ValueError("update_from_output got a SchedulerOutput this scheduler did not issue")
-        updates = [RequestUpdate(r, [], None, True) for r in record.aborted]
+        updates = [RequestUpdate(r, [], None, True) for r in record.unreported]
         for request in record.sampling:
             request.num_output_placeholders -= 1
         for req_id, request in record.scheduled.items():
@@ -266,13 +302,17 @@ class Scheduler:
             index = runner_output.req_id_to_index.get(req_id)
             if index is None:
                 continue
-            update = self._apply_sampled(request, runner_output, index)
+            update = self._apply_sampled(request, runner_output, index, record)
             if update is not None:
                 updates.append(update)
+        # Popped only now: a record still in flight when a step fails tells the recovery
+        # which finishes it must report again.
+        del self._in_flight[id(scheduler_output)]
         return updates
 
     def _apply_sampled(
-        self, request: Request, runner_output: ModelRunnerOutput, index: int
+        self, request: Request, runner_output: ModelRunnerOutput, index: int,
+        record: _InFlightStep,
     ) -> RequestUpdate | None:
         sampled = runner_output.sampled_token_ids[index]
         if not sampled:  # a partial prefill chunk: nothing to sample from yet
@@ -288,6 +328,7 @@ class Scheduler:
                 else:
                     self.running.remove(request)
                 self._finish(request, status)
+                record.finished.append(request)
                 break
         logprobs = runner_output.logprobs[index] if runner_output.logprobs else None
         new_logprobs = None if logprobs is None else [_logprobs_dict(logprobs)]

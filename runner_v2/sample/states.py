@@ -174,6 +174,12 @@ class SamplingStates:
 
     # ---- apply -------------------------------------------------------------------
 
+    def discard_staged_writes(self) -> None:
+        """Drop the rows staged but not shipped (the engine's recovery after a failed
+        step); their next add stages them anew."""
+        self._staged.clear()
+        self._staged_bins.clear()
+
     def apply_staged_writes(self) -> None:
         """Publish the staged rows: one H2D copy, one scatter, at most one bincount."""
         if not self._staged:

@@ -198,3 +198,28 @@ def test_cuda_matches_cpu_with_pinned_non_blocking_copies():
         if device == "cuda":
             assert out.input_ids.is_cuda and md.temperature.is_cuda
     assert results["cuda"] == results["cpu"]
+
+
+def test_scheduling_past_the_known_tokens_is_a_clear_error():
+    """A row scheduled beyond the tokens the batch holds would read a stale token; the
+    error names the request and the counts instead of a bare assertion."""
+    batch, buffers = make_batch(4, 16, 8, 8)
+    add(batch, "r0", [5, 6, 7], 2, [1])
+    with pytest.raises(RuntimeError, match=r"'r0' \(row 0\) is scheduled up to position 4 .* only 3"):
+        prepare_inputs(batch, np.array([2], np.int32), buffers)
+
+
+def test_clear_forgets_every_row_and_records_the_removals():
+    batch, _ = make_batch(4, 16, 8, 8)
+    for i in range(3):
+        add(batch, f"r{i}", [1, 2, 3], 0, [i + 1])
+    batch.refresh_sampling_metadata()  # consume the adds
+    batch.clear()
+    assert batch.num_reqs == 0 and batch.req_ids == [] and batch.req_id_to_index == {}
+    assert (batch.block_table.num_blocks_per_row == 0).all()
+    add(batch, "r9", [4, 5], 0, [7])
+    assert batch.req_id_to_index == {"r9": 0}
+    update = batch.batch_update_builder.get_and_reset(batch.num_reqs)
+    # row 0's removal is folded into its re-use, as for any remove-then-add of a row
+    assert update is not None and sorted(update.removed) == [1, 2]
+    assert [a.req_id for a in update.added] == ["r9"]

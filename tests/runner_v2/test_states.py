@@ -209,7 +209,7 @@ def test_reused_row_carries_nothing_from_previous_occupant():
 def test_full_table_and_bad_adds_raise():
     state = RequestState(2, MAX_LEN, T, V, "cpu")
     assert [state.add_request(f"r{i}", 1, [1], 0) for i in range(2)] == [1, 0]
-    with pytest.raises(AssertionError, match="no free state rows; raise max_num_seqs"):
+    with pytest.raises(RuntimeError, match="state rows are taken"):
         state.add_request("r2", 1, [1], 0)
     with pytest.raises(ValueError, match="already holds"):
         state.add_request("r0", 1, [1], 0)
