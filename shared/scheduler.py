@@ -267,6 +267,8 @@ class Scheduler:
         for record in self._in_flight.values():
             self._unreported.extend(record.unreported)
             self._unreported.extend(record.finished)
+            for request in record.sampling:  # finished ones too: nothing is in flight now
+                request.num_output_placeholders = 0
         self._in_flight.clear()
         requeued = len(self.running)
         for request in reversed(self.running):

@@ -113,6 +113,26 @@ class FakeRunner:
         )
 
 
+class FakeRunnerFault(Exception):
+    """An exception injected into a step (tests of the scheduler's recovery)."""
+
+
+def execute_partially(runner: FakeRunner, so: SchedulerOutput, num_reqs_written: int) -> None:
+    """A forward that fails after writing the K/V of only the first `num_reqs_written`
+    scheduled requests: the rest of the step's blocks hold no (or stale) tokens."""
+    runner._update_states(so)
+    for req_id, n in list(so.num_scheduled_tokens.items())[:num_reqs_written]:
+        st = runner.states[req_id]
+        for pos in range(st.num_computed_tokens, st.num_computed_tokens + n):
+            runner.kv[runner._slot(st, pos)] = st.tokens[pos]
+    raise FakeRunnerFault("inside execute")
+
+
+def reset_runner(runner: FakeRunner) -> None:
+    """The runners' reset_request_states(): forget every request, keep the KV memory."""
+    runner.states.clear()
+
+
 def run_step(sched: Scheduler, runner: FakeRunner):
     so = sched.schedule()
     out = runner.execute(so)

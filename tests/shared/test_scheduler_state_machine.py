@@ -11,6 +11,11 @@ reported once, and when everything has ended every block is free.
 AsyncSchedulerMachine plays the same rules with async scheduling: each step schedules
 and executes step N+1 before the update of step N, so requests carry in-flight
 placeholders; the same oracle must hold.
+
+A failed step (an exception after schedule(), inside the forward after some requests'
+K/V were written, or part-way through or after an update) is followed by the engine's
+recovery (Scheduler.recover_from_failed_step and the runner's reset); the same oracle and
+invariants must hold afterwards, with every finish reported exactly once.
 """
 
 from __future__ import annotations
@@ -22,7 +27,14 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from shared.request import Request, RequestStatus
 from shared.sampling_params import SamplingParams
 from shared.scheduler import Scheduler
-from tests.shared.scheduler_fakes import FakeRunner, expected_output, hash_token_fn
+from tests.shared.scheduler_fakes import (
+    FakeRunner,
+    FakeRunnerFault,
+    execute_partially,
+    expected_output,
+    hash_token_fn,
+    reset_runner,
+)
 
 IDS = ["a", "b", "c", "d", "e"]
 VOCAB = 8
@@ -126,6 +138,55 @@ class SchedulerMachine(RuleBasedStateMachine):
         # An abort (and maybe a resubmit of the id) lands between execute and update.
         self._step(lambda: self.abort_and_resubmit(req_id, resubmit) if resubmit
                    else self.abort([req_id]))
+
+    @precondition(lambda self: self._has_work())
+    @rule(where=st.sampled_from(["after_schedule", "inside_execute", "inside_update"]),
+          k=st.integers(0, 3))
+    def failed_step(self, where, k):
+        so = self.sched.schedule()
+        self._check_step(so)
+        try:
+            if where == "after_schedule":
+                raise FakeRunnerFault(where)
+            if where == "inside_execute":
+                execute_partially(self.runner, so, k)
+            out = self.runner.execute(so)
+            # async: the engine updates the step in flight (if any) after launching this one
+            target = self.pending if self.sched.async_scheduling and self.pending else (so, out)
+            self._update_failing_at(*target, k)
+        except FakeRunnerFault:
+            event(f"failed step: {where}")
+        self.pending = None
+        self.sched.recover_from_failed_step()
+        reset_runner(self.runner)
+
+    def _update_failing_at(self, so, out, k):
+        """The update raises at its k-th request (or, when it has fewer, after returning).
+        Tokens an interrupted update appended reach the engine's caller anyway (a
+        RequestOutput carries every token so far), so they count as seen; its finishes are
+        reported again by the recovery, so they are not marked here."""
+        original, applied = self.sched._apply_sampled, []
+
+        def apply(request, runner_output, index, record):
+            if len(applied) == k:
+                raise FakeRunnerFault("inside update")
+            update = original(request, runner_output, index, record)
+            applied.append(update)
+            return update
+
+        self.sched._apply_sampled = apply
+        try:
+            updates = self.sched.update_from_output(so, out)
+        except FakeRunnerFault:
+            for update in applied:
+                if update is not None:
+                    self.reported[update.request].extend(update.new_token_ids)
+            raise
+        finally:
+            del self.sched._apply_sampled
+        for update in updates:  # it completed: delivered as usual, then the step fails
+            self._check_update(update)
+        raise FakeRunnerFault("after update")
 
     def _has_work(self) -> bool:
         sched = self.sched
