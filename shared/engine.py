@@ -159,6 +159,14 @@ class LLMEngine:
                 f"request {request_id!r}: prompt token ids must be a flat list of ints, got an "
                 f"array of shape {arr.shape} and dtype {arr.dtype}"
             )
+        if isinstance(prompt, (list, tuple)):
+            # np.asarray([5, True]) is an int64 array: a bool among ints shows only by element
+            pos = next((i for i, t in enumerate(prompt) if isinstance(t, (bool, np.bool_))), None)
+            if pos is not None:
+                raise EngineInputError(
+                    f"request {request_id!r}: prompt token ids must be a flat list of ints, got "
+                    f"the bool {prompt[pos]!r} at position {pos}"
+                )
         if arr.size == 0:
             raise EngineInputError(f"request {request_id!r}: the prompt is empty; pass at least one token")
         if arr.size >= self.max_model_len:

@@ -2,12 +2,102 @@
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Sequence
 from typing import Any
+
+import numpy as np
+import torch
 
 from shared.engine import EngineInputError, LLMEngine
 from shared.outputs import RequestOutput
 from shared.sampling_params import SamplingParams
+
+# One prompt as LLM.generate takes it: text, or token ids as a list / tuple of ints (NumPy
+# integer scalars too), a 1-D integer NumPy array or a 1-D integer torch tensor.
+Prompt = str | Sequence[int] | np.ndarray | torch.Tensor
+_FORMS = ("a str, a list of token ids, a 1-D or 2-D integer NumPy array or torch tensor, "
+          "or a sequence of those")
+
+
+def _is_token_id(x: object) -> bool:
+    """Whether x is one token id (a number, of any type: the engine checks each id's type
+    and range) rather than a prompt or a batch of them."""
+    if isinstance(x, (str, bytes)):  # np.str_ and np.bytes_ are np.generic too
+        return False
+    if isinstance(x, (np.ndarray, torch.Tensor)):
+        return x.ndim == 0  # a 0-d array is a scalar, as np.asarray treats it
+    return isinstance(x, (numbers.Number, np.generic))
+
+
+def _has_integer_dtype(arr: np.ndarray | torch.Tensor) -> bool:
+    if isinstance(arr, torch.Tensor):
+        return not (arr.is_floating_point() or arr.is_complex() or arr.dtype == torch.bool)
+    return arr.dtype.kind in "iu"  # not bool, float, or object (a ragged array)
+
+
+def _array_rows(arr: np.ndarray | torch.Tensor, where: str, max_ndim: int) -> list[list[int]]:
+    """An integer array or tensor -> its rows as lists of ints (a 1-D one is one row)."""
+    kind = "torch tensor" if isinstance(arr, torch.Tensor) else "NumPy array"
+    if not 1 <= arr.ndim <= max_ndim:
+        accepted = "1-D" if max_ndim == 1 else "1-D (one prompt) or 2-D (one prompt per row)"
+        raise EngineInputError(
+            f"{where} is a {arr.ndim}-D {kind} of shape {tuple(arr.shape)}; pass a {accepted} "
+            "integer array or tensor"
+        )
+    # An empty one goes on to the engine, which names the empty prompt, as add_request does.
+    if 0 not in arr.shape and not _has_integer_dtype(arr):
+        raise EngineInputError(f"{where} is a {kind} of dtype {arr.dtype}; token ids must be integers")
+    rows = arr.tolist()  # Python ints, from a tensor on any device too
+    return [rows] if arr.ndim == 1 else rows
+
+
+def _token_list(seq: Sequence[Any], where: str) -> list[Any]:
+    """A flat sequence of token ids; the engine checks each id (type and range)."""
+    if isinstance(seq, bytes):
+        raise EngineInputError(f"{where} is bytes; pass text as a str, or token ids as ints")
+    items = list(seq)
+    nested = [i for i, x in enumerate(items) if not _is_token_id(x)]
+    if nested:
+        raise EngineInputError(
+            f"{where} holds a {type(items[nested[0]]).__name__} at index {nested[0]}; a prompt "
+            "is a str or a flat list of token ids"
+        )
+    return items
+
+
+def _one_prompt(prompt: Any, where: str) -> str | list[Any]:
+    if isinstance(prompt, str):
+        return prompt
+    if isinstance(prompt, (np.ndarray, torch.Tensor)):
+        return _array_rows(prompt, where, max_ndim=1)[0]
+    if isinstance(prompt, Sequence):
+        return _token_list(prompt, where)
+    raise EngineInputError(f"{where} has type {type(prompt).__name__}; pass {_FORMS}")
+
+
+def normalize_prompts(prompts: Any) -> list[str | list[Any]]:
+    """Every form LLM.generate takes -> one entry per prompt: a str or a list of ids.
+
+    A flat sequence of ids, a 1-D array or a 1-D tensor is ONE prompt; a 2-D array or
+    tensor is one prompt per row; any other sequence is a batch of prompts. A bad form
+    raises EngineInputError before anything is queued."""
+    if isinstance(prompts, str):
+        return [prompts]
+    if isinstance(prompts, (np.ndarray, torch.Tensor)):
+        return _array_rows(prompts, "prompts", max_ndim=2)
+    if isinstance(prompts, bytes) or not isinstance(prompts, Sequence):
+        raise EngineInputError(f"prompts has type {type(prompts).__name__}; pass {_FORMS}")
+    items = list(prompts)
+    kinds = {_is_token_id(x) for x in items}
+    if kinds == {True, False}:
+        raise EngineInputError(
+            "prompts mixes token ids with prompts; pass one flat list of token ids, or a "
+            "sequence in which every item is a prompt"
+        )
+    if kinds == {True}:  # a flat list of ids: one prompt
+        return [_token_list(items, "prompts")]
+    return [_one_prompt(p, f"prompt {i}") for i, p in enumerate(items)]
 
 
 class LLM:
@@ -29,13 +119,14 @@ class LLM:
 
     def generate(
         self,
-        prompts: Sequence[str] | Sequence[list[int]] | str,
+        prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
-        """Run every prompt to completion; outputs come back in prompt order."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]  # type: ignore[list-item]
+        """Run every prompt to completion; outputs come back in prompt order. prompts: one
+        prompt, a sequence of them, or a 2-D integer array / tensor (one prompt per row);
+        see normalize_prompts."""
+        prompts = normalize_prompts(prompts)
         if sampling_params is None:
             sampling_params = SamplingParams()
         if isinstance(sampling_params, SamplingParams):
@@ -61,7 +152,7 @@ class LLM:
             raise
         return self._run(request_ids, prompts, use_tqdm)
 
-    def _tokenize(self, prompt: str | list[int]) -> list[int]:
+    def _tokenize(self, prompt: str | list[Any]) -> list[Any]:
         if isinstance(prompt, str):
             tokenizer = self.engine.tokenizer
             if tokenizer is None:

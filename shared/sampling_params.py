@@ -1,21 +1,76 @@
-"""SamplingParams with vLLM's meaning, validated once at construction."""
+"""SamplingParams with vLLM's meaning, validated once at construction.
+
+Both runners keep every float field in float32 and the samplers divide logits by the
+temperature and by / times the repetition penalty. The bounds below keep each of those
+operations finite for finite logits in float32, so no NaN (e.g. a masked -inf logit
+divided by an infinite temperature) can reach an argmax: V1's torch argmax picks a NaN,
+V2's Triton argmax does not, and the runners would disagree.
+
+Accepted types: a float field takes a real number (int, float, or a NumPy integer /
+floating scalar; stored as a Python float); an integer field takes an int or a NumPy
+integer scalar (stored as an int). bool is refused everywhere a number is expected,
+and so is str: neither is a number a caller means to pass.
+"""
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from typing import NoReturn
+
+import numpy as np
 
 # top_k values that mean "no top-k" (vLLM accepts both).
 _NO_TOP_K = (0, -1)
 
+# Any temperature in [0, GREEDY_TEMPERATURE_EPS) is greedy and is stored as exactly 0.0,
+# so both runners take their greedy path by construction (vLLM's threshold). Below it,
+# float32 logits / T overflow: at T = 1e-39 every logit above ~3.4e-1 becomes +inf and
+# the lowest such id wins, not the greedy token. At the threshold itself, x / T stays
+# finite for any |x| < 3.4e33.
+GREEDY_TEMPERATURE_EPS = 1e-5
+
+# The largest temperature. Any finite float32 T keeps -inf / T = -inf (an infinite T
+# makes a masked logit NaN); 1e4 also keeps x / T a normal float32 for every
+# |x| >= 1.2e-34, so no runner's flush-to-zero of subnormals can change a result. Nothing
+# is lost above it: for logits within +-100, x / 1e4 varies by under 0.02, i.e. sampling
+# is already uniform to within 2%. 1e4 is exact in float32.
+MAX_TEMPERATURE = 1e4
+
+# repetition_penalty r bounds (1 = off). Seen tokens get x / r (x > 0) or x * r (x <= 0).
+# Both bounds are normal float32 numbers, so r never rounds to 0 or inf; x / r and x * r
+# then stay finite for any |x| < 3.4e35, and after the greedy-threshold division by T
+# (>= 1e-5) for any |x| < 3.4e30: far beyond any real logit. vLLM's useful range is
+# about [1, 2]; values below 1 reward repetition.
+MIN_REPETITION_PENALTY = 1e-3
+MAX_REPETITION_PENALTY = 1e3
+
+# presence_penalty and frequency_penalty range (vLLM's).
+MAX_ABS_PENALTY = 2.0
+
+_REAL = "a real number (int or float)"
+_INTEGER = "an int"
+
 
 class SamplingParamsError(ValueError):
-    """A sampling parameter is out of range; the message names the field."""
+    """A sampling parameter is out of range or of the wrong type; the message names the
+    field, the value and what is accepted."""
+
+
+def _is_integer(value: object) -> bool:
+    # bool is an int subclass, np.bool_ is not an np.integer: refuse the former here.
+    return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
+
+
+def _is_real(value: object) -> bool:
+    return _is_integer(value) or isinstance(value, (float, np.floating))
 
 
 @dataclass
 class SamplingParams:
     max_tokens: int = 16
-    temperature: float = 1.0
+    temperature: float = 1.0  # [0, MAX_TEMPERATURE]; below GREEDY_TEMPERATURE_EPS: 0 (greedy)
     top_k: int = 0  # 0 or -1: disabled
     top_p: float = 1.0
     min_p: float = 0.0
@@ -26,44 +81,93 @@ class SamplingParams:
     logprobs: int | None = None  # number of top logprobs besides the sampled token
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
+    repetition_penalty: float = 1.0  # [MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY]
 
     def __post_init__(self) -> None:
-        self.stop_token_ids = list(self.stop_token_ids)
+        # Idempotent: the engine re-runs it through dataclasses.replace at admission.
+        self._validate()
         if self.top_k in _NO_TOP_K:
             self.top_k = 0
-        self._validate()
+        if self.temperature < GREEDY_TEMPERATURE_EPS:
+            self.temperature = 0.0
 
-    def _fail(self, name: str, value: object, accepted: str) -> None:
+    def _fail(self, name: str, value: object, accepted: str, why: str = "") -> NoReturn:
         raise SamplingParamsError(
-            f"SamplingParams.{name}={value!r} is invalid: expected {accepted}."
+            f"SamplingParams.{name}={value!r} is invalid: expected {accepted}{why}."
         )
 
+    def _real(self, name: str, accepted: str, in_range: Callable[[float], bool]) -> None:
+        """Store the field as a Python float, or raise SamplingParamsError naming the
+        value as the caller passed it."""
+        value = getattr(self, name)
+        if not _is_real(value):
+            self._fail(name, value, accepted, f", not a {type(value).__name__}")
+        try:
+            number = float(value)
+        except OverflowError:  # an int beyond float64's range
+            number = math.inf
+        if not (math.isfinite(number) and in_range(number)):
+            self._fail(name, value, accepted)
+        setattr(self, name, number)
+
+    def _integer(self, name: str, accepted: str, in_range: Callable[[int], bool],
+                 optional: bool = False) -> None:
+        """Store the field as a Python int (None kept when optional), or raise
+        SamplingParamsError naming the value as the caller passed it."""
+        value = getattr(self, name)
+        if optional and value is None:
+            return
+        if not _is_integer(value):
+            self._fail(name, value, accepted, f", not a {type(value).__name__}")
+        if not in_range(int(value)):
+            self._fail(name, value, accepted)
+        setattr(self, name, int(value))
+
     def _validate(self) -> None:
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            self._fail("max_tokens", self.max_tokens, "an integer >= 1")
-        if not self.temperature >= 0.0:  # also rejects NaN
-            self._fail("temperature", self.temperature, "a float >= 0 (0 = greedy)")
-        if not isinstance(self.top_k, int) or self.top_k < 0:
-            self._fail("top_k", self.top_k, "an integer >= 1, or 0 / -1 to disable")
-        if not 0.0 < self.top_p <= 1.0:
-            self._fail("top_p", self.top_p, "a float in (0, 1]")
-        if not 0.0 <= self.min_p <= 1.0:
-            self._fail("min_p", self.min_p, "a float in [0, 1]")
-        if self.seed is not None and (not isinstance(self.seed, int) or not 0 <= self.seed < 2**63):
-            self._fail("seed", self.seed, "None or an integer in [0, 2**63)")
-        if not isinstance(self.min_tokens, int) or not 0 <= self.min_tokens <= self.max_tokens:
-            self._fail("min_tokens", self.min_tokens, f"an integer in [0, max_tokens={self.max_tokens}]")
-        if any((not isinstance(t, int)) or t < 0 for t in self.stop_token_ids):
-            self._fail("stop_token_ids", self.stop_token_ids, "a list of non-negative token ids")
-        if self.logprobs is not None and (not isinstance(self.logprobs, int) or self.logprobs < 0):
-            self._fail("logprobs", self.logprobs, "None or an integer >= 0")
-        if not -2.0 <= self.presence_penalty <= 2.0:
-            self._fail("presence_penalty", self.presence_penalty, "a float in [-2, 2]")
-        if not -2.0 <= self.frequency_penalty <= 2.0:
-            self._fail("frequency_penalty", self.frequency_penalty, "a float in [-2, 2]")
-        if not self.repetition_penalty > 0.0:
-            self._fail("repetition_penalty", self.repetition_penalty, "a float > 0 (1 = off)")
+        self._validate_integers()
+        self._validate_stop_token_ids()
+        self._validate_reals()
+        if not isinstance(self.ignore_eos, (bool, np.bool_)):
+            self._fail("ignore_eos", self.ignore_eos, "a bool",
+                       f", not a {type(self.ignore_eos).__name__}")
+        self.ignore_eos = bool(self.ignore_eos)
+
+    def _validate_integers(self) -> None:
+        self._integer("max_tokens", f"{_INTEGER} >= 1", lambda n: n >= 1)
+        self._integer("top_k", f"{_INTEGER} >= 1, or 0 / -1 to disable", lambda k: k >= -1)
+        self._integer("seed", f"None or {_INTEGER} in [0, 2**63)", lambda s: 0 <= s < 2**63,
+                      optional=True)
+        max_tokens = self.max_tokens
+        self._integer("min_tokens", f"{_INTEGER} in [0, max_tokens={max_tokens}]",
+                      lambda n: 0 <= n <= max_tokens)
+        self._integer("logprobs", f"None or {_INTEGER} >= 0", lambda n: n >= 0, optional=True)
+
+    def _validate_stop_token_ids(self) -> None:
+        accepted = "a list of non-negative token ids (ints)"
+        value = self.stop_token_ids
+        # A str (or bytes) is iterable but is never a list of ids; None is not iterable.
+        if isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
+            self._fail("stop_token_ids", value, accepted, f", not a {type(value).__name__}")
+        ids = list(value)
+        for i, t in enumerate(ids):
+            if not _is_integer(t):
+                self._fail("stop_token_ids", value, accepted,
+                           f", not a {type(t).__name__} at index {i}")
+            if t < 0:
+                self._fail("stop_token_ids", value, accepted)
+        self.stop_token_ids = [int(t) for t in ids]
+
+    def _validate_reals(self) -> None:
+        self._real("temperature", f"{_REAL} in [0, {MAX_TEMPERATURE:g}] (0, or below "
+                   f"{GREEDY_TEMPERATURE_EPS:g}: greedy)", lambda t: 0.0 <= t <= MAX_TEMPERATURE)
+        self._real("top_p", f"{_REAL} in (0, 1]", lambda p: 0.0 < p <= 1.0)
+        self._real("min_p", f"{_REAL} in [0, 1]", lambda p: 0.0 <= p <= 1.0)
+        for name in ("presence_penalty", "frequency_penalty"):
+            self._real(name, f"{_REAL} in [-{MAX_ABS_PENALTY:g}, {MAX_ABS_PENALTY:g}]",
+                       lambda p: -MAX_ABS_PENALTY <= p <= MAX_ABS_PENALTY)
+        self._real("repetition_penalty",
+                   f"{_REAL} in [{MIN_REPETITION_PENALTY:g}, {MAX_REPETITION_PENALTY:g}] (1 = off)",
+                   lambda r: MIN_REPETITION_PENALTY <= r <= MAX_REPETITION_PENALTY)
 
     @property
     def is_greedy(self) -> bool:

@@ -16,6 +16,7 @@ import itertools
 import math
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 
 from shared import LLM
@@ -124,8 +125,10 @@ def test_token_id_outside_vocabulary(served, prompt, bad_id, pos):
     )
 
 
-@pytest.mark.parametrize("prompt", [[1.0, 2.0], [[1, 2], [3, 4]], [[1, 2], [3]], [True, False]],
-                         ids=["floats", "nested", "ragged", "bools"])
+@pytest.mark.parametrize("prompt", [[1.0, 2.0], [[1, 2], [3, 4]], [[1, 2], [3]], [True, False],
+                                    [5, True], (np.int64(5), np.bool_(False))],
+                         ids=["floats", "nested", "ragged", "bools", "int and bool",
+                              "numpy int and bool"])
 def test_prompt_not_a_flat_list_of_ints(served, prompt):
     serve_around(served, lambda: served.engine.add_request("bad", prompt, GOOD_PARAMS),
                  match="flat list of ints")
