@@ -14,18 +14,18 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from typing import Any
 
 from policy import envs
 from policy import features as feature_table
+from policy.cli_args import OneLineArgumentParser, usage_error
 from policy.config import EngineConfig
 from policy.engine_args import add_engine_args, engine_args_from_namespace
 
 
 def build_parser(prog: str = "python -m policy explain") -> argparse.ArgumentParser:
     env_help = "\n".join(f"  {name}: {text}" for name, text in envs.ENV_VARS.items())
-    parser = argparse.ArgumentParser(
+    parser = OneLineArgumentParser(
         prog=prog,
         description="Explain which model runner (V1 or V2) runnerlab would use, and why.",
         epilog="environment variables:\n" + env_help,
@@ -132,8 +132,7 @@ def explain_main(argv: list[str] | None = None, prog: str = "python -m policy ex
         envs.validate_all()
         config, blockers = engine_args_from_namespace(ns).create_explain_config()
     except ValueError as err:  # EnvVarError, pydantic's ValidationError, config errors
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+        return usage_error(prog, err)
     report = explain_report(config, blockers)
     if ns.json:
         if ns.features:

@@ -2,6 +2,9 @@
 
 Engine options are flags named after the EngineArgs fields (--model-runner v1,
 --max-model-len 2048, --load-format dummy). Logs go to stderr, results to stdout.
+Every flag is honoured or refused: a refusal is one line on stderr naming the flag
+(`runnerlab <command>: error: --flag: why`), exit status 2; a file that cannot be read
+or written is one line too, exit status 1; neither prints a traceback.
 """
 
 from __future__ import annotations
@@ -9,6 +12,8 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+
+from policy.cli_args import OneLineArgumentParser, cpu_noop_refusal, int_list, usage_error
 
 USAGE = """runnerlab <command> [options]
 
@@ -29,7 +34,7 @@ def main(argv: list[str] | None = None) -> int:
     if command == "explain":
         from policy.explain import explain_main
 
-        return explain_main(rest)
+        return explain_main(rest, prog="runnerlab explain")
     if command == "generate":
         return generate_main(rest)
     if command == "ab":
@@ -46,6 +51,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _add_sampling_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("sampling")
+    # SamplingParams checks every range and names the field; argparse only the types
     g.add_argument("--max-tokens", type=int, default=32)
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--top-k", type=int, default=0)
@@ -53,23 +59,33 @@ def _add_sampling_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--min-p", type=float, default=0.0)
     g.add_argument("--sampling-seed", type=int, default=None, help="per-request sampling seed")
     g.add_argument("--ignore-eos", action="store_true")
-    g.add_argument("--logprobs", type=int, default=None)
+    g.add_argument("--logprobs", type=int, default=None,
+                   help="top log-probabilities per generated token (printed with --json)")
+
+
+GENERATE = "runnerlab generate"
 
 
 def generate_main(argv: list[str]) -> int:
     from policy.explain import add_engine_args, engine_args_from_namespace
 
-    parser = argparse.ArgumentParser(prog="runnerlab generate", description="Generate with either runner.")
+    parser = OneLineArgumentParser(prog=GENERATE, description="Generate with either runner.")
     add_engine_args(parser)
     parser.add_argument("--prompt", action="append", default=None, help="a text prompt (repeatable)")
     parser.add_argument(
-        "--prompt-ids", action="append", default=None,
+        "--prompt-ids", action="append", default=None, type=int_list("token id", 0),
         help="a prompt as comma-separated token ids (repeatable; for models without a tokenizer)",
     )
     parser.add_argument("--chat", action="store_true", help="apply the model's chat template")
     parser.add_argument("--json", action="store_true", help="print results as JSON")
     _add_sampling_args(parser)
-    args = parser.parse_args(argv)
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # argparse: 0 for --help, 2 for a usage error (one line)
+        return int(exc.code or 0)
+    refusal = _generate_refusal(args)
+    if refusal:
+        return usage_error(GENERATE, refusal)
 
     from shared.engine import EngineInputError
     from shared.llm import LLM
@@ -77,6 +93,9 @@ def generate_main(argv: list[str]) -> int:
 
     try:
         engine_args = engine_args_from_namespace(args)
+        refusal = cpu_noop_refusal(args, engine_args.device)
+        if refusal:
+            return usage_error(GENERATE, refusal)
         llm = LLM(**engine_args.model_dump())
         prompts = _collect_prompts(args, llm)
         params = SamplingParams(
@@ -86,19 +105,33 @@ def generate_main(argv: list[str]) -> int:
         )
         outputs = llm.generate(prompts, params)
     except (EngineInputError, SamplingParamsError, ValueError) as exc:
-        print(f"runnerlab generate: error: {exc}", file=sys.stderr)
-        return 2
+        return usage_error(GENERATE, exc)
+    except OSError as exc:  # a model file that cannot be read
+        print(f"{GENERATE}: error: {exc}", file=sys.stderr)
+        return 1
     for out in outputs:
         c = out.outputs[0]
         if args.json:
-            print(json.dumps({
+            record = {
                 "request_id": out.request_id, "runner": llm.runner_name, "text": c.text,
                 "prompt_token_ids": out.prompt_token_ids, "token_ids": c.token_ids,
                 "finish_reason": c.finish_reason,
-            }))
+            }
+            if args.logprobs is not None:  # JSON keys are strings: token id -> logprob
+                record["logprobs"] = [{str(t): lp for t, lp in d.items()} for d in c.logprobs or []]
+            print(json.dumps(record))
         else:
             print(c.text if llm.get_tokenizer() is not None else " ".join(map(str, c.token_ids)))
     return 0
+
+
+def _generate_refusal(args: argparse.Namespace) -> str | None:
+    """Flags that would be accepted and then do nothing."""
+    if args.chat and not args.prompt:
+        return "--chat applies the chat template to --prompt text; --prompt-ids are token ids already"
+    if args.logprobs is not None and not args.json:
+        return "--logprobs: the log-probabilities are printed only with --json"
+    return None
 
 
 def chat_prompt_token_ids(tokenizer, text: str) -> list[int]:
@@ -131,8 +164,7 @@ def _collect_prompts(args: argparse.Namespace, llm) -> list:
             prompts.append(chat_prompt_token_ids(tok, text))
         else:
             prompts.append(text)
-    for ids in args.prompt_ids or []:
-        prompts.append([int(t) for t in ids.split(",") if t.strip()])
+    prompts += args.prompt_ids or []  # lists of ints: parsed and checked by argparse
     if not prompts:
         raise ValueError("give at least one --prompt or --prompt-ids")
     return prompts

@@ -324,8 +324,13 @@ class LLMEngine:
         block_size = self.config.cache_config.block_size
         needed = -(-self.max_model_len // block_size)
         if num_blocks < needed:
+            # Only advice that works on this device: the CPU sizes its KV cache without
+            # gpu_memory_utilization, so raising it there would change nothing.
+            knobs = "num_gpu_blocks_override"
+            if self.device.type == "cuda":
+                knobs = "gpu_memory_utilization or num_gpu_blocks_override"
             raise EngineInputError(
                 f"the KV cache holds {num_blocks} blocks of {block_size} tokens, fewer than the "
                 f"{needed} blocks one request of max_model_len={self.max_model_len} needs; raise "
-                f"num_gpu_blocks_override (or gpu_memory_utilization) or lower max_model_len"
+                f"{knobs} or lower max_model_len"
             )

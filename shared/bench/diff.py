@@ -37,6 +37,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from policy.cli_args import OneLineArgumentParser, usage_error
 from shared.bench.compare import PairReport, compare_runs
 from shared.bench.scenario_run import RequestRecord, ScenarioRun, run_scenario, run_solo
 from shared.bench.scenarios import QUICK_SCENARIOS, SCENARIOS, Scenario, build_scenario
@@ -256,9 +257,22 @@ def _seeds(text: str) -> list[int]:
     return seeds
 
 
+def _tolerance(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not value >= 0:  # also refuses nan
+        raise argparse.ArgumentTypeError(f"{value} is not valid; expected a number >= 0")
+    return value
+
+
+PROG = "runnerlab diff"
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="runnerlab diff",
+    p = OneLineArgumentParser(
+        prog=PROG,
         description="V1 vs V2 vs Hugging Face vs solo runs over the differential scenarios. "
         f"Scenarios: {', '.join(SCENARIOS)}.",
     )
@@ -273,7 +287,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"comma-separated from {', '.join(ENGINES)} (default {DEFAULT_ENGINES})")
     p.add_argument("--quick", action="store_true",
                    help=f"only {', '.join(QUICK_SCENARIOS)} (tiny-llama float64 CPU by default)")
-    p.add_argument("--logprob-tol", type=float, default=None,
+    p.add_argument("--logprob-tol", type=_tolerance, default=None,
                    help="max |logprob diff| between runners and vs solo (default by dtype)")
     p.add_argument("--json", action="store_true", help="print one JSON document")
     return p
@@ -285,26 +299,19 @@ def diff_main(argv: list[str]) -> int:
         args = parser.parse_args(argv)
     except SystemExit as exc:  # argparse: 0 for --help, 2 for a usage error
         return int(exc.code or 0)
+    refusal = _refusal(args)
+    if refusal:
+        return usage_error(PROG, refusal)
     scenarios = args.scenarios or list(QUICK_SCENARIOS if args.quick else SCENARIOS)
-    if not any(e in RUNNERS for e in args.engines):
-        print("runnerlab diff: error: --engines needs v1, v2 or v2-async (hf and solo are "
-              "references)",
-              file=sys.stderr)
-        return 2
-    if args.device == "cuda":
-        import torch
-
-        if not torch.cuda.is_available():
-            print("runnerlab diff: error: --device cuda, but no CUDA GPU is available here",
-                  file=sys.stderr)
-            return 2
     start = time.perf_counter()
     try:
         reports = run_diff(args.model, args.dtype, args.device, scenarios, args.seeds,
                            args.engines, args.logprob_tol)
-    except (ValueError, FileNotFoundError) as exc:  # a bad model, dtype or device
-        print(f"runnerlab diff: error: {exc}", file=sys.stderr)
-        return 2
+    except ValueError as exc:  # a bad model, dtype or device
+        return usage_error(PROG, exc)
+    except OSError as exc:  # a model file that cannot be read, a full temporary directory
+        print(f"{PROG}: error: {exc}", file=sys.stderr)
+        return 1
     doc = _document(args, reports, time.perf_counter() - start)
     if args.json:
         print(json.dumps(doc, indent=2))
@@ -313,6 +320,25 @@ def diff_main(argv: list[str]) -> int:
     for line in _problems(reports):
         print(f"runnerlab diff: {line}", file=sys.stderr)
     return 0 if doc["all_agree"] else 1
+
+
+def _refusal(args: argparse.Namespace) -> str | None:
+    """Flags that conflict or would be accepted and do nothing."""
+    runners = [e for e in args.engines if e in RUNNERS]
+    if not runners:
+        return "--engines needs v1, v2 or v2-async (hf and solo are references)"
+    if args.quick and args.scenarios:
+        return ("--quick picks the scenarios (" + ",".join(QUICK_SCENARIOS) + "), and so does "
+                "--scenarios; give one of them")
+    if args.logprob_tol is not None and len(runners) < 2 and "solo" not in args.engines:
+        return ("--logprob-tol is the tolerance between two runners and against solo; "
+                f"--engines {','.join(args.engines)} has neither pair (hf has its own)")
+    if args.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            return "--device cuda, but no CUDA GPU is available here"
+    return None
 
 
 def _document(args: argparse.Namespace, reports: list[ScenarioReport], wall_s: float) -> dict:

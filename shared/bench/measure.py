@@ -115,13 +115,19 @@ def decode_prompts(batch: int, prompt_len: int, vocab: int, seed: int) -> list[l
     return rng.integers(1, min(vocab, 10000), size=(batch, prompt_len)).tolist()
 
 
+def decode_max_tokens(warmup: int, steps: int) -> int:
+    """Output tokens each run_decode request asks for: enough that none finishes before the
+    last timed step (a request that ended early would shrink the batch being measured)."""
+    return warmup + 2 * steps + 4
+
+
 def run_decode(
     engine: LLMEngine, batch: int, prompt_len: int, warmup: int, steps: int, seed: int = 0,
     tag: str = "d",
 ) -> tuple[StepSamples, float, dict[str, list[int]]]:
     """`batch` requests prefill, then decode together; measures `steps` decode steps
     after `warmup` and returns (samples, unsynchronised steady-state ms/step, tokens)."""
-    params = SamplingParams(max_tokens=warmup + 2 * steps + 4, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_tokens=decode_max_tokens(warmup, steps), temperature=0.0, ignore_eos=True)
     ids = [f"{tag}{i}" for i in range(batch)]
     for req_id, prompt in zip(ids, decode_prompts(batch, prompt_len, engine.vocab_size, seed)):
         engine.add_request(req_id, prompt, params)

@@ -59,6 +59,13 @@ def prefill(engine: LLMEngine, num_prompts: int, prompt_len: int, tag: str) -> R
     return RunResult(samples, tokens, {"prefill_tokens_per_s": num_prompts * prompt_len / elapsed})
 
 
+# churn's requests: prompt and output lengths drawn uniformly from these ranges
+CHURN_PROMPT_LEN = (4, 24)
+CHURN_MAX_TOKENS = (2, 12)
+# the throughput workload's longest request: prompt and output up to 1024 tokens each
+THROUGHPUT_MAX_LEN = 2048
+
+
 def churn(engine: LLMEngine, live: int, steps: int, tag: str) -> RunResult:
     """Keep about `live` requests running; each lives 2-12 tokens, so every step some
     finish (holes in V1, freed rows in V2) and new ones arrive."""
@@ -68,8 +75,10 @@ def churn(engine: LLMEngine, live: int, steps: int, tag: str) -> RunResult:
 
     def add() -> None:
         nonlocal next_id
-        prompt = [rng.randint(1, min(engine.vocab_size, 10000) - 1) for _ in range(rng.randint(4, 24))]
-        params = SamplingParams(max_tokens=rng.randint(2, 12), temperature=0.0, ignore_eos=True)
+        prompt = [rng.randint(1, min(engine.vocab_size, 10000) - 1)
+                  for _ in range(rng.randint(*CHURN_PROMPT_LEN))]
+        params = SamplingParams(max_tokens=rng.randint(*CHURN_MAX_TOKENS), temperature=0.0,
+                                ignore_eos=True)
         engine.add_request(f"{tag}{next_id}", prompt, params)
         next_id += 1
 

@@ -245,7 +245,7 @@ def test_cli_chat_prompts_accept_every_template_return_form(form):
     from shared.cli import _collect_prompts
 
     fake_llm = types.SimpleNamespace(get_tokenizer=lambda: _FakeTokenizer(form))
-    args = types.SimpleNamespace(prompt=["hi"], prompt_ids=["7,8"], chat=True)
+    args = types.SimpleNamespace(prompt=["hi"], prompt_ids=[[7, 8]], chat=True)  # argparse parsed
     assert _collect_prompts(args, fake_llm) == [[1, 50, 51, 52], [7, 8]]
 
 
