@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import shared.bench.ab as ab
+import shared.bench.ab_args as ab_args
 from shared.bench.ab import ab_main
 from shared.bench.report import build_figure
 from shared.cli import main as cli_main
@@ -192,18 +193,18 @@ def test_a_failed_write_after_measuring_is_one_line_exit_1(tmp_path, capsys, mon
 
 @pytest.mark.skipif(not ON_CPU, reason="the CPU default")
 def test_cpu_default_sizes_and_what_they_cut() -> None:
-    args = ab.build_parser().parse_args([])
-    settings = ab._settings(args, "cpu", ["v1", "v2"])
-    assert settings["batches"] == list(ab.CPU_SIZES.batches)
+    args = ab_args.build_parser().parse_args([])
+    settings = ab_args._settings(args, "cpu", ["v1", "v2"])
+    assert settings["batches"] == list(ab_args.CPU_SIZES.batches)
     assert settings["workloads"] == ["decode", "prefill", "churn"]
     note = settings["defaults_note"]
     assert note.startswith("CPU default") and "no throughput workload" in note
-    gpu = ab._settings(args, "cuda", ["v1", "v2"])  # the GPU default is unchanged
+    gpu = ab_args._settings(args, "cuda", ["v1", "v2"])  # the GPU default is unchanged
     assert gpu["batches"] == [1, 8, 32, 64, 128, 256, 512, 1024] and gpu["steps"] == 30
-    assert gpu["workloads"] == list(ab.WORKLOADS) and gpu["defaults_note"] is None
+    assert gpu["workloads"] == list(ab_args.WORKLOADS) and gpu["defaults_note"] is None
     # a flag that sets a size takes it out of the note
-    args = ab.build_parser().parse_args(["--batch-sizes", "2", "--steps", "4"])
-    note = ab._settings(args, "cpu", ["v1"])["defaults_note"]
+    args = ab_args.build_parser().parse_args(["--batch-sizes", "2", "--steps", "4"])
+    note = ab_args._settings(args, "cpu", ["v1"])["defaults_note"]
     assert "batch sizes" not in note and "measured steps" not in note
 
 
