@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import Enum
 
-from shared.sampling_params import SamplingParams
+from shared.contract.sampling_params import SamplingParams
 
 
 class MoveDirectionality(Enum):

@@ -33,13 +33,13 @@ import torch
 
 from runner_v1.piecewise import PiecewiseGraphs
 from shared.attention.metadata import CommonAttentionMetadata
-from shared.cudagraph_utils import (
+from shared.runtime.cudagraph_utils import (
     BatchDescriptor,
     fill_dummy_decode,
     is_uniform_decode,
     padded_size,
 )
-from shared.forward_context import get_forward_context
+from shared.runtime.forward_context import get_forward_context
 
 logger = logging.getLogger("runnerlab")
 

@@ -22,10 +22,10 @@ from runner_v1.prepare_inputs import InputBuffers, PreparedInputs, prepare_input
 from runner_v1.request_state import CachedRequestState
 from runner_v1.sampler import Sampler, SamplerOutput
 from runner_v1.sampling_metadata import SamplingMetadata
-from shared.model_executor import ModelExecutor
-from shared.runner_base import RunnerSetupMixin
-from shared.step import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
-from shared.step_timing import StageTimer
+from shared.contract.step import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
+from shared.runtime.model_executor import ModelExecutor
+from shared.runtime.runner_base import RunnerSetupMixin
+from shared.runtime.step_timing import StageTimer
 
 logger = logging.getLogger("runnerlab")
 

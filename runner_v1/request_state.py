@@ -7,8 +7,8 @@ from __future__ import annotations
 import secrets
 from dataclasses import dataclass
 
-from shared.sampling_params import SamplingParams
-from shared.step import NewRequestData
+from shared.contract.sampling_params import SamplingParams
+from shared.contract.step import NewRequestData
 
 
 @dataclass

@@ -9,7 +9,7 @@ from collections.abc import Callable
 
 import torch
 
-from shared.step import ModelRunnerOutput
+from shared.contract.step import ModelRunnerOutput
 
 
 class AsyncModelRunnerOutput:

@@ -16,7 +16,7 @@ import torch
 
 from runner_v2.staged_write import StagedWriteTensor
 from shared.attention.metadata import PAD_SLOT_ID
-from shared.triton_utils import tl, triton
+from shared.runtime.triton_utils import tl, triton
 
 _BLOCK = 1024
 # Globals read inside @triton.jit must be constexpr.

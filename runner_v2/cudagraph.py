@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from shared.attention.metadata import CommonAttentionMetadata
-from shared.cudagraph_utils import (
+from shared.runtime.cudagraph_utils import (
     BatchDescriptor,
     fill_dummy_decode,
     is_uniform_decode,

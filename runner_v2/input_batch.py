@@ -26,7 +26,7 @@ import torch
 from runner_v2.states import RequestState
 from runner_v2.uva import async_copy_to_device
 from shared.attention.metadata import count_leading_decodes
-from shared.triton_utils import tl, triton
+from shared.runtime.triton_utils import tl, triton
 
 _BLOCK = 1024
 

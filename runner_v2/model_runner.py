@@ -25,10 +25,10 @@ from runner_v2.sample.sampler import Sampler
 from runner_v2.sample.states import SamplingStates
 from runner_v2.states import RequestState
 from shared.attention.metadata import CommonAttentionMetadata
-from shared.model_executor import ModelExecutor
-from shared.runner_base import RunnerSetupMixin
-from shared.step import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
-from shared.step_timing import StageTimer
+from shared.contract.step import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
+from shared.runtime.model_executor import ModelExecutor
+from shared.runtime.runner_base import RunnerSetupMixin
+from shared.runtime.step_timing import StageTimer
 
 logger = logging.getLogger("runnerlab")
 

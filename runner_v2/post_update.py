@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from runner_v2.states import RequestState
-from shared.triton_utils import tl, triton
+from shared.runtime.triton_utils import tl, triton
 
 
 @triton.jit

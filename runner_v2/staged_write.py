@@ -33,7 +33,7 @@ import numpy as np
 import torch
 
 from runner_v2.uva import device_view_of_pinned, is_uva_available, pinned_empty, pinned_zeros
-from shared.triton_utils import tl, triton
+from shared.runtime.triton_utils import tl, triton
 
 _SUPPORTED = {torch.int32: np.int32, torch.int64: np.int64, torch.float32: np.float32}
 # Metadata travels bit-cast in the contents' element width: int32 for 4-byte contents,

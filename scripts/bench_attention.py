@@ -31,7 +31,7 @@ from shared.attention.kv_write_triton import write_kv_triton  # noqa: E402
 from shared.attention.metadata import CommonAttentionMetadata  # noqa: E402
 from shared.attention.torch_backend import TorchBackend  # noqa: E402
 from shared.attention.triton_backend import TritonBackend  # noqa: E402
-from shared.bench.measure import cuda_time_ms, graph_time_ms  # noqa: E402
+from shared.harness.measure import cuda_time_ms, graph_time_ms  # noqa: E402
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16
 DTYPE = torch.bfloat16

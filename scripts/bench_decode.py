@@ -31,9 +31,9 @@ from shared import triton_utils
 from shared.attention import decode_attention, triton_backend
 from shared.attention import triton_unified_attention as attention
 from shared.attention.layer import Attention
-from shared.bench.measure import measure_read_bandwidth, run_decode
-from shared.engine import LLMEngine
-from shared.model import gemv
+from shared.harness.measure import measure_read_bandwidth, run_decode
+from shared.model.kernels import gemv
+from shared.serving.engine import LLMEngine
 
 _ATTENTION_FORWARD = Attention.forward
 _NUM_SPLITS_FOR = triton_backend.num_splits_for

@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from shared.attention import decode_attention as fused  # noqa: E402
 from shared.attention import triton_unified_attention as unified  # noqa: E402
-from shared.bench.measure import graph_time_ms  # noqa: E402
+from shared.harness.measure import graph_time_ms  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 32, 8, 128, 16
 CONFIGS = [(4, 3), (8, 1), (8, 3), (4, 1), (8, 2)]  # (warps, stages)

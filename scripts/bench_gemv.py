@@ -1,4 +1,4 @@
-"""Batch-1 weight GEMVs: the model's fused Triton GEMVs (shared.model.gemv) against cuBLAS
+"""Batch-1 weight GEMVs: the model's fused Triton GEMVs (shared.model.kernels.gemv) against cuBLAS
 (F.linear) and against the unfused chain they replace, on the llama-3-8b and qwen3-0.6b
 decoder shapes; tunes the launch config per shape and writes the table the model reads.
 
@@ -27,8 +27,8 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from shared import triton_utils  # noqa: E402
-from shared.bench.measure import graph_time_ms, measure_read_bandwidth  # noqa: E402
-from shared.model import fused_ops, gemv  # noqa: E402
+from shared.harness.measure import graph_time_ms, measure_read_bandwidth  # noqa: E402
+from shared.model.kernels import fused_ops, gemv  # noqa: E402
 from shared.model.layers import RotaryEmbedding  # noqa: E402
 
 # (name, weight rows, K, epilogue, input norm, head_dim, rope heads)

@@ -31,8 +31,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_gemv import SHAPES, Case, merge_configs, timed  # noqa: E402
 
-from shared.bench.measure import graph_time_ms, measure_read_bandwidth  # noqa: E402
-from shared.model import gemv  # noqa: E402
+from shared.harness.measure import graph_time_ms, measure_read_bandwidth  # noqa: E402
+from shared.model.kernels import gemv  # noqa: E402
 
 LLAMA = [s for s in SHAPES if s[0].startswith("llama") and s[0] != "llama lm_head"]
 

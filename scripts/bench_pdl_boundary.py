@@ -21,8 +21,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from shared.bench.measure import graph_time_ms  # noqa: E402
-from shared.triton_utils import pdl_wait_and_release, tl, triton  # noqa: E402
+from shared.harness.measure import graph_time_ms  # noqa: E402
+from shared.runtime.triton_utils import pdl_wait_and_release, tl, triton  # noqa: E402
 
 
 @triton.jit

@@ -23,8 +23,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from shared.bench.measure import cuda_times_ms, graph_time_ms, measure_read_bandwidth  # noqa: E402
-from shared.model import gemv  # noqa: E402
+from shared.harness.measure import cuda_times_ms, graph_time_ms, measure_read_bandwidth  # noqa: E402
+from shared.model.kernels import gemv  # noqa: E402
 
 
 def sum_bandwidth(gib: float, dtype: torch.dtype, reps: int) -> dict:

@@ -1,6 +1,6 @@
 """Fingerprints of the fused GEMV kernel's sm_90 PTX, compiled on any machine (no GPU needed).
 
-A refactor of shared/model/gemv.py that leaves every fingerprint unchanged leaves the kernels
+A refactor of shared/model/kernels/gemv.py that leaves every fingerprint unchanged leaves the kernels
 that were tuned and measured on the H200 unchanged, so their numbers still hold:
 
   python3 scripts/gemv_ptx_fingerprint.py > before.json
@@ -27,13 +27,13 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-torch.cuda.is_available = lambda: True  # keeps shared.triton_utils from choosing the interpreter
+torch.cuda.is_available = lambda: True  # keeps shared.runtime.triton_utils from choosing the interpreter
 os.environ.pop("TRITON_INTERPRET", None)
 
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource, compile  # noqa: E402
 
-from shared.model import gemv  # noqa: E402
+from shared.model.kernels import gemv  # noqa: E402
 
 # name, kernel (0 FMA, 1 dot, 2/3 buffered FMA), epilogue, BLOCK_N, BLOCK_K, stages, warps,
 # K, M, bias[, preload]: the H200 table's llama-3-8b entries, then odd ones

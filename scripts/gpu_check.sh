@@ -5,7 +5,7 @@
 #   scripts/gpu_check.sh [gemv|tune|tests|boundary|attention|decode|profile|ab|ab_async|hf|all]...
 #
 # Stages run in the order of this file, whatever the order of the arguments: gemv and tune
-# come first because they write the GEMV launch table (shared/model/gemv_configs.json)
+# come first because they write the GEMV launch table (shared/model/kernels/gemv_configs.json)
 # that the later stages' models read: gemv per shape, tune llama-3-8b's layer GEMVs inside
 # the decode step. GEMV_ARGS, TUNE_ARGS, DECODE_ARGS and GPU_TESTS pass arguments on.
 #
@@ -33,14 +33,14 @@ status=0
 
 if want gemv; then
   python3 scripts/bench_gemv.py --out "$OUT/gemv.json" \
-    --configs-out shared/model/gemv_configs.json ${GEMV_ARGS:-} 2>&1 | tee "$OUT/gemv.log"
-  cp shared/model/gemv_configs.json "$OUT/gemv_configs.json"
+    --configs-out shared/model/kernels/gemv_configs.json ${GEMV_ARGS:-} 2>&1 | tee "$OUT/gemv.log"
+  cp shared/model/kernels/gemv_configs.json "$OUT/gemv_configs.json"
 fi
 if want tune; then
   python3 scripts/tune_gemv_in_step.py --out "$OUT/tune.json" \
-    --configs-out shared/model/gemv_configs.json ${TUNE_ARGS:-} 2>&1 | grep -v "^INFO" \
+    --configs-out shared/model/kernels/gemv_configs.json ${TUNE_ARGS:-} 2>&1 | grep -v "^INFO" \
     | tee "$OUT/tune.log"
-  cp shared/model/gemv_configs.json "$OUT/gemv_configs.json"
+  cp shared/model/kernels/gemv_configs.json "$OUT/gemv_configs.json"
 fi
 if want tests; then
   python3 -m pytest -q -m gpu -p no:cacheprovider -o addopts="" -rfE --durations=15 \
@@ -65,13 +65,13 @@ fi
 if want ab; then
   # decode ladder 1..1024 + churn + nano-vllm throughput, both runners in one process
   # (A-B-B-A), once with the synchronous engine loop for both runners ...
-  python3 -m shared.cli ab --model qwen3-0.6b --load-format dummy --dtype bfloat16 --device cuda \
+  python3 -m shared.harness.cli ab --model qwen3-0.6b --load-format dummy --dtype bfloat16 --device cuda \
     --workloads decode,churn,throughput --output-dir "$OUT/ab_sync" 2>&1 | grep -v "^INFO" \
     | tee "$OUT/ab_sync.log"
 fi
 if want ab_async; then
   # ... and once with V2's async scheduling (V1 has none: it stays synchronous)
-  python3 -m shared.cli ab --model qwen3-0.6b --load-format dummy --dtype bfloat16 --device cuda \
+  python3 -m shared.harness.cli ab --model qwen3-0.6b --load-format dummy --dtype bfloat16 --device cuda \
     --workloads decode,churn,throughput --async-scheduling --output-dir "$OUT/ab_async" 2>&1 \
     | grep -v "^INFO" | tee "$OUT/ab_async.log"
 fi

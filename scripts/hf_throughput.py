@@ -4,7 +4,7 @@ Face transformers' own continuous batching (its paged KV cache, scheduler and CU
   python3 scripts/hf_throughput.py --out docs/results/hf_throughput.json        # H200
   python3 scripts/hf_throughput.py --model tiny-llama --quick --device cpu      # smoke test
 
-Workload (shared.bench.workloads.nano_vllm_workload): 256 requests, prompt and output
+Workload (shared.harness.workloads.nano_vllm_workload): 256 requests, prompt and output
 lengths uniform in [100, 1024], token ids in [0, 10000], temperature 0.6, EOS ignored.
 Model: a preset's config.json with random weights (qwen3-0.6b by default, bf16, SDPA).
 Throughput = output tokens / wall time of the measured run, prefill included, after a
@@ -57,7 +57,7 @@ class Workload:
 def make_workload(num_requests: int, min_len: int, max_len: int, vocab_size: int) -> Workload:
     """nano-vllm's draw (the project's copy of it), token ids folded into the vocabulary
     (a no-op for the real shapes: their vocabularies are far above 10000)."""
-    from shared.bench.workloads import nano_vllm_workload
+    from shared.harness.workloads import nano_vllm_workload
 
     prompts, max_tokens = nano_vllm_workload(num_requests, min_len, max_len)
     prompts = [[t % vocab_size for t in p] for p in prompts]

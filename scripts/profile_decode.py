@@ -17,8 +17,8 @@ from collections import defaultdict
 import torch
 
 from shared import triton_utils
-from shared.engine import LLMEngine
-from shared.sampling_params import SamplingParams
+from shared.contract.sampling_params import SamplingParams
+from shared.serving.engine import LLMEngine
 
 
 def main() -> int:

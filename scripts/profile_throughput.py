@@ -1,6 +1,6 @@
 """Where the throughput workload's wall time goes, per runner.
 
-Runs nano-vllm's offline workload (shared.bench.workloads.nano_vllm_workload) once
+Runs nano-vllm's offline workload (shared.harness.workloads.nano_vllm_workload) once
 untimed-instrumented for tokens/s, then once with light per-phase timers (scheduler
 schedule / update, runner execute / sample, output wait), split by step kind (pure
 decode vs steps with prefill), and optionally once under cProfile.
@@ -22,8 +22,8 @@ from collections import defaultdict
 
 import torch
 
-from shared.bench import workloads as wl
-from shared.engine import LLMEngine
+from shared.harness import workloads as wl
+from shared.serving.engine import LLMEngine
 
 
 def _build(model: str, runner: str, async_scheduling: bool) -> LLMEngine:
@@ -74,7 +74,7 @@ class PhaseTimer:
 
 def _run(engine: LLMEngine, prompts, max_tokens, tag: str, step_fn=None) -> dict:
     for i, (p, n) in enumerate(zip(prompts, max_tokens)):
-        from shared.sampling_params import SamplingParams
+        from shared.contract.sampling_params import SamplingParams
 
         engine.add_request(f"{tag}{i}", p, SamplingParams(max_tokens=n, temperature=0.6,
                                                          ignore_eos=True, seed=i))

@@ -32,8 +32,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_decode import free, make_engine, reset_switches  # noqa: E402
 from bench_gemv import merge_configs  # noqa: E402
 
-from shared.bench.measure import measure_read_bandwidth, run_decode  # noqa: E402
-from shared.model import gemv  # noqa: E402
+from shared.harness.measure import measure_read_bandwidth, run_decode  # noqa: E402
+from shared.model.kernels import gemv  # noqa: E402
 
 # config_key -> configs to try, (BLOCK_N, BLOCK_K, warps, stages, kernel, preload): the
 # buffered FMA kernels (2: two tiles in flight, 3: three) over a grid of tiles, and the

@@ -8,23 +8,23 @@ from typing import TYPE_CHECKING, Any
 # Decide Triton's mode (the interpreter on a machine without a CUDA GPU) before anything
 # else can import triton: transformers imports it too, and a triton imported first
 # without TRITON_INTERPRET leaves every later kernel unable to run on such a machine.
-import shared.triton_utils  # noqa: E402, F401
+import shared.runtime.triton_utils  # noqa: E402, F401
 
 __all__ = ["LLM", "LLMEngine", "SamplingParams", "RequestOutput", "CompletionOutput"]
 
 _LAZY = {
-    "LLM": "shared.llm",
-    "LLMEngine": "shared.engine",
-    "SamplingParams": "shared.sampling_params",
-    "RequestOutput": "shared.outputs",
-    "CompletionOutput": "shared.outputs",
+    "LLM": "shared.serving.llm",
+    "LLMEngine": "shared.serving.engine",
+    "SamplingParams": "shared.contract.sampling_params",
+    "RequestOutput": "shared.contract.outputs",
+    "CompletionOutput": "shared.contract.outputs",
 }
 
 if TYPE_CHECKING:
-    from shared.engine import LLMEngine
-    from shared.llm import LLM
-    from shared.outputs import CompletionOutput, RequestOutput
-    from shared.sampling_params import SamplingParams
+    from shared.contract.outputs import CompletionOutput, RequestOutput
+    from shared.contract.sampling_params import SamplingParams
+    from shared.serving.engine import LLMEngine
+    from shared.serving.llm import LLM
 
 
 def __getattr__(name: str) -> Any:

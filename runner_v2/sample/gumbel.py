@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import torch
 
+from shared.runtime.triton_utils import tl, triton
 from shared.sampling.noise_kernels import NOISE_BLOCK, gumbel_noise, row_lanes
-from shared.triton_utils import tl, triton
 
 
 @triton.jit

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from runner_v2.sample.gumbel import load_logits, to_compute
-from shared.triton_utils import tl, triton
+from shared.runtime.triton_utils import tl, triton
 
 LOGPROBS_BLOCK = 1024
 

@@ -16,7 +16,7 @@ import torch
 
 from runner_v2.sample.gumbel import div_ieee, load_logits
 from runner_v2.sample.states import SamplingStates
-from shared.triton_utils import tl, triton
+from shared.runtime.triton_utils import tl, triton
 
 PENALTY_BLOCK = 1024
 

@@ -30,8 +30,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from shared.sampling_params import SamplingParams
-from shared.triton_utils import tl, triton
+from shared.contract.sampling_params import SamplingParams
+from shared.runtime.triton_utils import tl, triton
 
 # Column layout of one staged record (int64 words; floats as float64 bit patterns).
 C_ROW = tl.constexpr(0)

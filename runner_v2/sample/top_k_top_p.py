@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 
 from runner_v2.sample.gumbel import NOISE_BLOCK, div_ieee, load_logits
-from shared.triton_utils import tl, triton
+from shared.runtime.triton_utils import tl, triton
 
 
 @triton.jit

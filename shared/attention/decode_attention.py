@@ -28,7 +28,13 @@ import torch
 
 from shared.attention import triton_unified_attention as unified
 from shared.attention.unified_attention_kernels import attend_kv_tiles, split_tile_range
-from shared.triton_utils import next_power_of_2, pdl_launch, pdl_wait_and_release, tl, triton
+from shared.runtime.triton_utils import (
+    next_power_of_2,
+    pdl_launch,
+    pdl_wait_and_release,
+    tl,
+    triton,
+)
 
 
 @triton.jit

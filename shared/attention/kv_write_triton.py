@@ -9,7 +9,13 @@ from __future__ import annotations
 
 import torch
 
-from shared.triton_utils import next_power_of_2, pdl_launch, pdl_wait_and_release, tl, triton
+from shared.runtime.triton_utils import (
+    next_power_of_2,
+    pdl_launch,
+    pdl_wait_and_release,
+    tl,
+    triton,
+)
 
 # One program stores one token's Hkv * D elements in chunks of at most this many, so a
 # token row (8 heads x 128 = 1024 elements for Llama-3-8B) is one program.

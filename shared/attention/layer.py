@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from shared.attention.kv_write import write_kv
-from shared.forward_context import get_forward_context
+from shared.runtime.forward_context import get_forward_context
 
 
 class Attention(nn.Module):

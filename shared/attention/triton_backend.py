@@ -27,7 +27,7 @@ from shared.attention.backend import AttentionBackend
 from shared.attention.decode_attention import decode_attention
 from shared.attention.metadata import CommonAttentionMetadata
 from shared.attention.triton_unified_attention import paged_attention
-from shared.triton_utils import next_power_of_2
+from shared.runtime.triton_utils import next_power_of_2
 
 # Upper bound on KV splits per (request, kv head): 64 splits x 512 keys covers 32k.
 DEFAULT_MAX_NUM_SPLITS = 64

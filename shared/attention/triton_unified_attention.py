@@ -17,7 +17,7 @@ from shared.attention.unified_attention_kernels import (
     paged_attention_kernel,
     reduce_splits_kernel,
 )
-from shared.triton_utils import INTERPRET, next_power_of_2, pdl_launch, tl
+from shared.runtime.triton_utils import INTERPRET, next_power_of_2, pdl_launch, tl
 
 LOG2E = 1.4426950408889634
 

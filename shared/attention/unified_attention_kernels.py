@@ -28,7 +28,7 @@ Padded rows (query length 0, seq_len 0) and padded tokens are never written.
 
 from __future__ import annotations
 
-from shared.triton_utils import pdl_wait_and_release, tl, triton
+from shared.runtime.triton_utils import pdl_wait_and_release, tl, triton
 
 
 @triton.jit

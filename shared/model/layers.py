@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from shared.model import fused_ops, gemv
+from shared.model.kernels import fused_ops, gemv
 
 # ---------------------------------------------------------------------------------------
 # config helpers

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from shared.attention.layer import Attention
-from shared.model import fused_ops, gemv
+from shared.model.kernels import fused_ops, gemv
 from shared.model.layers import (
     Linear,
     MergedLinear,

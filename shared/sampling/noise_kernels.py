@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from shared.triton_utils import tl, triton
+from shared.runtime.triton_utils import tl, triton
 
 NOISE_BLOCK = 1024  # vocab block per program; also the interpreter's sweet spot
 

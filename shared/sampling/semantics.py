@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from shared.sampling_params import SamplingParams
+from shared.contract.sampling_params import SamplingParams
 
 _M32 = np.uint64(0xFFFFFFFF)
 

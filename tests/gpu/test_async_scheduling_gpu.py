@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import pytest
 
-from shared.bench.diff import DiffSetup, build_engine
-from shared.bench.hf_reference import materialize_checkpoint
-from shared.bench.scenario_run import run_scenario
-from shared.bench.scenarios import SCENARIOS, build_scenario
+from shared.harness.diff import DiffSetup, build_engine
+from shared.harness.hf_reference import materialize_checkpoint
+from shared.harness.scenario_run import run_scenario
+from shared.harness.scenarios import SCENARIOS, build_scenario
 from tests.shared.test_async_scheduling import assert_async_matches_sync
 
 pytestmark = pytest.mark.gpu

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from shared.bench.diff import run_diff
-from shared.bench.scenarios import SCENARIOS
+from shared.harness.diff import run_diff
+from shared.harness.scenarios import SCENARIOS
 
 pytestmark = pytest.mark.gpu
 

@@ -15,9 +15,9 @@ import functools
 import pytest
 import torch
 
-from shared.cudagraph_utils import padded_size
-from shared.engine import LLMEngine
-from shared.sampling_params import SamplingParams
+from shared.contract.sampling_params import SamplingParams
+from shared.runtime.cudagraph_utils import padded_size
+from shared.serving.engine import LLMEngine
 
 pytestmark = pytest.mark.gpu
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from shared.engine import LLMEngine
-from shared.sampling_params import SamplingParams
+from shared.contract.sampling_params import SamplingParams
+from shared.serving.engine import LLMEngine
 
 pytestmark = pytest.mark.gpu
 

@@ -7,7 +7,7 @@ from runner_v1.batch_update import (
     MoveDirectionality,
     replay_batch_update,
 )
-from shared.sampling_params import SamplingParams
+from shared.contract.sampling_params import SamplingParams
 
 SP = SamplingParams()
 UNI, SWAP = MoveDirectionality.UNIDIRECTIONAL, MoveDirectionality.SWAP

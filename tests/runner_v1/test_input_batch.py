@@ -21,7 +21,7 @@ from runner_v1.block_table import BlockTable
 from runner_v1.buffers import CpuGpuBuffer
 from runner_v1.input_batch import ROW_FIELDS, InputBatch
 from runner_v1.request_state import CachedRequestState
-from shared.sampling_params import SamplingParams
+from shared.contract.sampling_params import SamplingParams
 
 # Deliberately distinct sizes, so that only row-indexed arrays have max_num_reqs rows.
 R, MAX_MODEL_LEN, MAX_TOKENS, VOCAB, BLOCK_SIZE = 6, 40, 64, 50, 4

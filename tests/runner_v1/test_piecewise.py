@@ -16,8 +16,8 @@ import torch
 
 from runner_v1.cudagraph import CudaGraphWrapper
 from runner_v1.piecewise import PiecewiseGraphs
-from shared.cudagraph_utils import BatchDescriptor, padded_size
-from shared.forward_context import set_forward_context
+from shared.runtime.cudagraph_utils import BatchDescriptor, padded_size
+from shared.runtime.forward_context import set_forward_context
 from tests.shared.test_model_piecewise import (
     BLOCK_SIZE,
     NUM_BLOCKS,
@@ -175,7 +175,7 @@ E2E_ARRIVALS = {0: [5, 90], 2: [3, 40], 4: [1, 70], 7: [17, 8, 2]}
 
 def _e2e_engine(piecewise: bool):
     from policy import EngineArgs
-    from shared.engine import LLMEngine
+    from shared.serving.engine import LLMEngine
 
     engine = LLMEngine.from_engine_args(EngineArgs(
         model="tiny-qwen3", dtype="float64", device="cpu", seed=0, model_runner="v1",
@@ -192,7 +192,7 @@ def _e2e_engine(piecewise: bool):
 
 
 def _e2e_run(engine) -> tuple[dict[str, list[int]], list[tuple[int, str]]]:
-    from shared.sampling_params import SamplingParams
+    from shared.contract.sampling_params import SamplingParams
 
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
     tokens, steps, step = {}, [], 0

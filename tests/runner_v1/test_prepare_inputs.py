@@ -13,7 +13,7 @@ from runner_v1.prepare_inputs import (
 )
 from runner_v1.request_state import CachedRequestState
 from shared.attention.metadata import PAD_SLOT_ID
-from shared.sampling_params import SamplingParams
+from shared.contract.sampling_params import SamplingParams
 
 
 def make_batch(max_num_reqs, max_model_len, max_tokens, block_size, device="cpu"):

@@ -13,8 +13,8 @@ from runner_v1.sampler import apply_min_tokens, apply_penalties, filter_threshol
 from runner_v2.sample import Sampler, SamplingStates
 from runner_v2.sample.penalties import apply_penalties_and_min_tokens
 from runner_v2.sample.top_k_top_p import compute_thresholds
+from shared.contract.sampling_params import SamplingParams
 from shared.sampling.noise import uniform
-from shared.sampling_params import SamplingParams
 from tests.runner_v1.test_sampler import (
     FEATURES,
     VOCAB,

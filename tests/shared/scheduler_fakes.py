@@ -14,9 +14,9 @@ from array import array
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from shared.sampling_params import SamplingParams
-from shared.scheduler import Scheduler
-from shared.step import ModelRunnerOutput, SchedulerOutput
+from shared.contract.sampling_params import SamplingParams
+from shared.contract.step import ModelRunnerOutput, SchedulerOutput
+from shared.serving.scheduler import Scheduler
 
 TokenFn = Callable[[list[int], int], int]  # (all tokens so far, prompt_len) -> next token
 

@@ -11,11 +11,11 @@ import json
 import pytest
 import torch
 
-import shared.bench.ab as ab
-import shared.bench.ab_args as ab_args
-from shared.bench.ab import ab_main
-from shared.bench.report import build_figure
-from shared.cli import main as cli_main
+import shared.harness.ab as ab
+import shared.harness.ab_args as ab_args
+from shared.harness.ab import ab_main
+from shared.harness.cli import main as cli_main
+from shared.harness.report import build_figure
 
 ON_CPU = not torch.cuda.is_available()
 # tiny sizes: a few seconds per run

@@ -14,12 +14,12 @@ import numpy as np
 import pytest
 
 from policy import EngineArgs
-from shared.bench.diff import DiffSetup, build_engine
-from shared.bench.hf_reference import materialize_checkpoint
-from shared.bench.scenario_run import run_scenario
-from shared.bench.scenarios import SCENARIOS, build_scenario
-from shared.engine import LLMEngine
-from shared.sampling_params import SamplingParams
+from shared.contract.sampling_params import SamplingParams
+from shared.harness.diff import DiffSetup, build_engine
+from shared.harness.hf_reference import materialize_checkpoint
+from shared.harness.scenario_run import run_scenario
+from shared.harness.scenarios import SCENARIOS, build_scenario
+from shared.serving.engine import LLMEngine
 
 SEED = 0
 VOCAB = 512

@@ -6,9 +6,9 @@ import random
 
 import pytest
 
-from shared.block_manager import KVCacheManager
-from shared.request import Request
-from shared.sampling_params import SamplingParams
+from shared.contract.sampling_params import SamplingParams
+from shared.serving.block_manager import KVCacheManager
+from shared.serving.request import Request
 
 BS = 4
 

@@ -12,8 +12,8 @@ import torch
 
 from policy import EngineArgs
 from policy.cli_args import one_line
-from shared.cli import main as cli_main
-from shared.engine import EngineInputError, LLMEngine
+from shared.harness.cli import main as cli_main
+from shared.serving.engine import EngineInputError, LLMEngine
 
 GENERATE = ["generate", "--model", "tiny-llama", "--device", "cpu", "--max-model-len", "32"]
 

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from policy.config import default_capture_sizes
 from runner_v1.cudagraph import V1CudaGraphs
 from runner_v2.cudagraph import CudaGraphManager
-from shared.cudagraph_utils import BatchDescriptor, is_uniform_decode, padded_size
+from shared.runtime.cudagraph_utils import BatchDescriptor, is_uniform_decode, padded_size
 
 LADDER = default_capture_sizes(512)
 

@@ -17,7 +17,7 @@ from shared.attention.kv_write import write_kv_torch
 from shared.attention.layer import Attention
 from shared.attention.torch_backend import TorchBackend
 from shared.attention.triton_backend import TritonBackend
-from shared.forward_context import set_forward_context
+from shared.runtime.forward_context import set_forward_context
 from tests.shared.attention_batches import make_batch, run_backend
 
 

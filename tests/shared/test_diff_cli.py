@@ -7,11 +7,11 @@ import json
 
 import pytest
 
-import shared.engine
+import shared.serving.engine
 from runner_v2.model_runner import GPUModelRunner as V2Runner
-from shared.bench.compare import compare_runs
-from shared.bench.scenario_run import RequestRecord, ScenarioRun, StepEvent
-from shared.cli import main as cli_main
+from shared.harness.cli import main as cli_main
+from shared.harness.compare import compare_runs
+from shared.harness.scenario_run import RequestRecord, ScenarioRun, StepEvent
 
 PAIR_FIELDS = {"a", "b", "identical", "first_divergence", "max_logprob_diff"}
 
@@ -64,12 +64,12 @@ class TokenSwappingRunner(V2Runner):
 
 
 def test_a_broken_runner_makes_diff_fail_and_locates_it(monkeypatch, capsys):
-    real = shared.engine.resolve_runner_class
+    real = shared.serving.engine.resolve_runner_class
 
     def resolve(path: str) -> type:
         return TokenSwappingRunner if path.startswith("runner_v2.") else real(path)
 
-    monkeypatch.setattr(shared.engine, "resolve_runner_class", resolve)
+    monkeypatch.setattr(shared.serving.engine, "resolve_runner_class", resolve)
     TokenSwappingRunner.corrupted = []
     rc = cli_main(["diff", "--scenarios", "greedy_logprobs", "--engines", "v1,v2", "--json"])
     captured = capsys.readouterr()

@@ -1,4 +1,4 @@
-"""Differential tests (DESIGN.md §9): every scenario of shared/bench/scenarios.py through
+"""Differential tests (DESIGN.md §9): every scenario of shared/harness/scenarios.py through
 V1 and V2 on the same materialised tiny-llama checkpoint (float64, CPU).
 
 Oracles, each independent of the runners under test:
@@ -10,7 +10,7 @@ Oracles, each independent of the runners under test:
 Plus: each scenario really exercised its hard case (preemption happened, a prefix was
 hit, a zero-token step carried finishes, ...), and every KV block is free at the end.
 
-The assertions are written here, not taken from shared/bench/compare.py, so a bug in the
+The assertions are written here, not taken from shared/harness/compare.py, so a bug in the
 harness's comparison cannot hide a runner bug.
 """
 
@@ -18,10 +18,10 @@ from __future__ import annotations
 
 import pytest
 
-from shared.bench.diff import DiffSetup, build_engine, run_hf
-from shared.bench.hf_reference import HFGreedy, hf_comparable, materialize_checkpoint
-from shared.bench.scenario_run import RequestRecord, ScenarioRun, run_scenario, run_solo
-from shared.bench.scenarios import SCENARIOS, Scenario, build_scenario
+from shared.harness.diff import DiffSetup, build_engine, run_hf
+from shared.harness.hf_reference import HFGreedy, hf_comparable, materialize_checkpoint
+from shared.harness.scenario_run import RequestRecord, ScenarioRun, run_scenario, run_solo
+from shared.harness.scenarios import SCENARIOS, Scenario, build_scenario
 
 SEED = 0
 VOCAB = 512  # the tiny presets

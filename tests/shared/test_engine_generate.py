@@ -180,7 +180,7 @@ def test_model_runner_argument_beats_the_env_var(monkeypatch, caplog):
 
 def _runnerlab_command() -> list[str]:
     script = Path(sys.executable).parent / "runnerlab"
-    return [str(script)] if script.exists() else [sys.executable, "-m", "shared.cli"]
+    return [str(script)] if script.exists() else [sys.executable, "-m", "shared.harness.cli"]
 
 
 @pytest.mark.slow
@@ -201,7 +201,7 @@ def test_cli_generate_chat_answers_paris():
 
 @pytest.mark.slow
 def test_chat_prompt_is_tokenized_once_by_the_template(smollm2_tokenizer):
-    from shared.cli import chat_prompt_token_ids
+    from shared.harness.cli import chat_prompt_token_ids
 
     tok = smollm2_tokenizer
     ids = chat_prompt_token_ids(tok, CHAT_PROMPTS[0])
@@ -242,7 +242,7 @@ class _FakeTokenizer:
 
 @pytest.mark.parametrize("form", ["list", "batch", "tensor", "dict", "BatchEncoding"])
 def test_cli_chat_prompts_accept_every_template_return_form(form):
-    from shared.cli import _collect_prompts
+    from shared.harness.cli import _collect_prompts
 
     fake_llm = types.SimpleNamespace(get_tokenizer=lambda: _FakeTokenizer(form))
     args = types.SimpleNamespace(prompt=["hi"], prompt_ids=[[7, 8]], chat=True)  # argparse parsed
@@ -250,7 +250,7 @@ def test_cli_chat_prompts_accept_every_template_return_form(form):
 
 
 def test_cli_generate_json_and_errors(capsys):
-    from shared.cli import main
+    from shared.harness.cli import main
 
     base = ["generate", "--model", "tiny-llama", "--device", "cpu", "--dtype", "float64",
             "--model-runner", "v1", "--max-model-len", "32"]

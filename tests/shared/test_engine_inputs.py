@@ -20,9 +20,9 @@ import numpy as np
 import pytest
 
 from shared import LLM
-from shared.engine import MAX_MIN_TOKENS_STOP_IDS, EngineInputError
-from shared.outputs import RequestOutput
-from shared.sampling_params import SamplingParams, SamplingParamsError
+from shared.contract.outputs import RequestOutput
+from shared.contract.sampling_params import SamplingParams, SamplingParamsError
+from shared.serving.engine import MAX_MIN_TOKENS_STOP_IDS, EngineInputError
 
 RUNNERS = ["v1", "v2"]
 MAX_MODEL_LEN = 64

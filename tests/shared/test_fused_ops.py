@@ -1,4 +1,4 @@
-"""Fused Triton elementwise kernels (shared.model.fused_ops) against the PyTorch path of
+"""Fused Triton elementwise kernels (shared.model.kernels.fused_ops) against the PyTorch path of
 shared.model.layers, which is itself checked against Hugging Face in test_model_hf.
 
 CPU: the kernels under the Triton interpreter in float32 (the interpreter has no bf16
@@ -12,7 +12,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from shared.model import fused_ops, load_model
+from shared.model import load_model
+from shared.model.kernels import fused_ops
 from shared.model.layers import RMSNorm, RotaryEmbedding, silu_and_mul
 from tests.shared.test_model_hf import CONFIGS, PagedHarness
 

@@ -1,4 +1,4 @@
-"""Small-batch fused GEMVs (shared.model.gemv) against independent PyTorch oracles.
+"""Small-batch fused GEMVs (shared.model.kernels.gemv) against independent PyTorch oracles.
 
 CPU: the kernel under the Triton interpreter in float32 (no bf16 math there) on odd
 shapes that exercise every mask, with launch configs forced small so a program covers a
@@ -16,7 +16,8 @@ import torch.nn.functional as F
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from shared import triton_utils
-from shared.model import fused_ops, gemv, load_model
+from shared.model import load_model
+from shared.model.kernels import fused_ops, gemv
 from shared.model.layers import RotaryEmbedding
 from tests.shared.test_fused_ops import _randomise_norms
 from tests.shared.test_model_hf import CONFIGS, PagedHarness

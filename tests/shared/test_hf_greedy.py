@@ -10,9 +10,9 @@ import random
 
 import pytest
 
-from shared.bench.hf_reference import HFGreedy, materialize_checkpoint
-from shared.llm import LLM
-from shared.sampling_params import SamplingParams
+from shared.contract.sampling_params import SamplingParams
+from shared.harness.hf_reference import HFGreedy, materialize_checkpoint
+from shared.serving.llm import LLM
 
 PROMPT_LENS = (1, 3, 6, 9, 14, 17, 22, 30)
 NUM_TOKENS = 32

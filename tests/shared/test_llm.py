@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from shared import LLM
-from shared.engine import EngineInputError
-from shared.llm import normalize_prompts
-from shared.sampling_params import SamplingParams
+from shared.contract.sampling_params import SamplingParams
+from shared.serving.engine import EngineInputError
+from shared.serving.llm import normalize_prompts
 
 A = [5, 6, 7, 8]
 B = [100, 200, 3, 17]

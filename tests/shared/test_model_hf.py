@@ -27,8 +27,8 @@ from transformers import (
 
 from shared.attention.metadata import CommonAttentionMetadata
 from shared.attention.torch_backend import TorchBackend
-from shared.forward_context import set_forward_context
 from shared.model import load_model
+from shared.runtime.forward_context import set_forward_context
 
 # ---------------------------------------------------------------------------------------
 # the paged-cache harness (also used by the SmolLM2 and weights tests)

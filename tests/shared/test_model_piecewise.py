@@ -22,8 +22,8 @@ from policy.model_config import parse_hf_config
 from policy.presets import preset_config_path
 from shared.attention.metadata import PAD_SLOT_ID
 from shared.attention.torch_backend import TorchBackend
-from shared.forward_context import set_forward_context
 from shared.model import load_model
+from shared.runtime.forward_context import set_forward_context
 from tests.shared.test_model_hf import PagedHarness
 
 PRESETS = ["tiny-llama", "tiny-qwen3", "tiny-mixtral", "tiny-qwen2-moe"]

@@ -1,6 +1,11 @@
 """The model registry agrees with the policy's copy of it, and the import direction of
-DESIGN.md §1 holds: policy <- shared <- runner_v1, runner_v2.
+DESIGN.md §1 holds: policy <- shared <- runner_v1, runner_v2, with shared's layers in
+the order docs/ARCHITECTURE.md gives:
 
+    policy <- shared.contract <- shared.runtime, .model, .attention, .sampling
+           <- runner_v1, runner_v2 <- shared.serving <- shared.harness (and `shared` itself)
+
+- a module imports only from its own layer or the layers below it;
 - policy imports nothing else of the project;
 - a runner never imports the other runner;
 - shared reaches a runner only through the qualified class name in the policy's decision
@@ -22,8 +27,8 @@ from pathlib import Path
 import pytest
 
 import policy
-from shared.engine import resolve_runner_class
 from shared.model.registry import SUPPORTED_ARCHITECTURES, get_model_class
+from shared.serving.engine import resolve_runner_class
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("policy", "shared", "runner_v1", "runner_v2")
@@ -104,6 +109,64 @@ def violations(package: str) -> list[str]:
     return bad
 
 
+# Layer of a module: the longest matching prefix. Same-numbered layers may import each
+# other (runtime and model, say); a lower number never imports a higher one.
+LAYERS = {
+    "policy": 0,
+    "shared.contract": 1,
+    "shared.runtime": 2, "shared.model": 2, "shared.attention": 2, "shared.sampling": 2,
+    "runner_v1": 3, "runner_v2": 3,
+    "shared.serving": 4,
+    "shared.harness": 5, "shared": 5,  # `shared` itself: the public facade (LLM, ...)
+}
+
+
+def layer_of(module: str) -> int | None:
+    parts = module.split(".")
+    for n in range(len(parts), 0, -1):
+        layer = LAYERS.get(".".join(parts[:n]))
+        if layer is not None:
+            return layer
+    return None
+
+
+def layer_violations_in(source: str, package: str) -> list[str]:
+    mine = layer_of(package)
+    return [f"{line}: {package} (layer {mine}) imports {name} (layer {layer_of(name)})"
+            for line, name in imported_modules(source, package)
+            if (layer_of(name) or 0) > mine]
+
+
+def test_every_module_has_a_layer():
+    # shared/ holds only its facade and the layer sub-packages
+    assert sorted(p.name for p in (ROOT / "shared").glob("*.py")) == ["__init__.py"]
+    for package in PACKAGES:
+        for path, containing in project_modules(package):
+            module = containing if path.name == "__init__.py" else f"{containing}.{path.stem}"
+            assert layer_of(module) is not None, module
+            assert module == "shared" or layer_of(module) != LAYERS["shared"] or \
+                module.startswith("shared.harness"), f"{module}: in no layer of its own"
+
+
+@pytest.mark.parametrize("package", PACKAGES)
+def test_layers_import_only_downwards(package):
+    bad = []
+    for path, containing in project_modules(package):
+        module = containing if path.name == "__init__.py" else f"{containing}.{path.stem}"
+        bad += [f"{path.relative_to(ROOT)}:{v}"
+                for v in layer_violations_in(path.read_text(), module)]
+    assert bad == []
+
+
+def test_the_layer_checker_fails_an_upward_import():
+    source = "from shared.serving.engine import LLMEngine\nfrom shared.contract.step import X\n"
+    assert layer_violations_in(source, "shared.runtime.model_executor") == [
+        "1: shared.runtime.model_executor (layer 2) imports shared.serving.engine (layer 4)"]
+    assert layer_violations_in("import shared.harness.ab\n", "runner_v1.sampler")
+    assert layer_violations_in("from shared import LLM\n", "shared.serving.llm")
+    assert not layer_violations_in("from shared.serving import engine\n", "shared.harness.ab")
+
+
 @pytest.mark.parametrize("package", PACKAGES)
 def test_import_direction(package):
     assert project_modules(package), f"no modules found under {package}/"
@@ -112,7 +175,7 @@ def test_import_direction(package):
 
 def test_the_checker_sees_every_form_of_import():
     source = textwrap.dedent("""
-        import shared.engine
+        import shared.serving.engine
         from runner_v2 import model_runner
         from . import sibling
         from ..other import thing
@@ -122,9 +185,9 @@ def test_the_checker_sees_every_form_of_import():
             __import__("tests.conftest")
             importlib.import_module(computed_name)   # not a literal: allowed
     """)
-    names = [name for _, name in imported_modules(source, "shared.bench")]
+    names = [name for _, name in imported_modules(source, "shared.harness")]
     assert sorted(names) == sorted([
-        "shared.engine", "runner_v2", "shared.bench", "shared.other",
+        "shared.serving.engine", "runner_v2", "shared.harness", "shared.other",
         "runner_v1.sampler", "runner_v2.model_runner", "tests.conftest",
     ])
     assert violations_in(source, "shared") == [
@@ -133,7 +196,7 @@ def test_the_checker_sees_every_form_of_import():
 
 def test_the_engine_reaches_runners_through_the_decision():
     # The one dynamic import in shared/ that may name a runner takes the decision's path.
-    source = (ROOT / "shared" / "engine.py").read_text()
+    source = (ROOT / "shared" / "serving" / "engine.py").read_text()
     assert "resolve_runner_class(self.decision.runner_class)" in source
 
 
@@ -149,7 +212,7 @@ _PROBE = textwrap.dedent("""
     import policy
     cfg = policy.EngineArgs(model="tiny-llama", device="cpu", model_runner="v1").create_engine_config()
     stages["policy"] = loaded()
-    import shared, shared.engine, shared.llm, shared.cli, shared.scheduler  # noqa: E401
+    import shared, shared.serving.engine, shared.serving.llm, shared.harness.cli, shared.serving.scheduler  # noqa: E401
     stages["shared"] = loaded()
     from shared import LLM
     LLM(model="tiny-llama", device="cpu", model_runner="v1", max_model_len=32)

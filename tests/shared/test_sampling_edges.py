@@ -20,16 +20,16 @@ import pytest
 import torch
 
 from shared import LLM
-from shared.bench.hf_reference import HFGreedy, materialize_checkpoint
-from shared.engine import EngineInputError
-from shared.outputs import CompletionOutput
-from shared.sampling.semantics import reference_sample_row
-from shared.sampling_params import (
+from shared.contract.outputs import CompletionOutput
+from shared.contract.sampling_params import (
     MAX_REPETITION_PENALTY,
     MAX_TEMPERATURE,
     MIN_REPETITION_PENALTY,
     SamplingParams,
 )
+from shared.harness.hf_reference import HFGreedy, materialize_checkpoint
+from shared.sampling.semantics import reference_sample_row
+from shared.serving.engine import EngineInputError
 
 RUNNERS = ["v1", "v2"]
 PROMPTS = [[5, 6, 7, 8], [100, 200, 3, 17, 250, 41], [450, 9]]

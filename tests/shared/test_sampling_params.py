@@ -15,7 +15,7 @@ import re
 import numpy as np
 import pytest
 
-from shared.sampling_params import (
+from shared.contract.sampling_params import (
     GREEDY_TEMPERATURE_EPS,
     MAX_ABS_PENALTY,
     MAX_REPETITION_PENALTY,

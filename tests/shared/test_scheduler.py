@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import pytest
 
-from shared.request import Request, RequestStatus
-from shared.sampling_params import SamplingParams
-from shared.scheduler import Scheduler
-from shared.step import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput, TokenLogprobs
+from shared.contract.sampling_params import SamplingParams
+from shared.contract.step import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput, TokenLogprobs
+from shared.serving.request import Request, RequestStatus
+from shared.serving.scheduler import Scheduler
 from tests.shared.scheduler_fakes import (
     FakeRunner,
     expected_output,

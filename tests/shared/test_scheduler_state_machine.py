@@ -24,9 +24,9 @@ from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from shared.request import Request, RequestStatus
-from shared.sampling_params import SamplingParams
-from shared.scheduler import Scheduler
+from shared.contract.sampling_params import SamplingParams
+from shared.serving.request import Request, RequestStatus
+from shared.serving.scheduler import Scheduler
 from tests.shared.scheduler_fakes import (
     FakeRunner,
     FakeRunnerFault,

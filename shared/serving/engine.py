@@ -18,11 +18,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from shared.outputs import CompletionOutput, RequestOutput
-from shared.request import Request
-from shared.sampling_params import SamplingParams, SamplingParamsError
-from shared.scheduler import Scheduler
-from shared.step import SchedulerOutput
+from shared.contract.outputs import CompletionOutput, RequestOutput
+from shared.contract.sampling_params import SamplingParams, SamplingParamsError
+from shared.contract.step import SchedulerOutput
+from shared.serving.request import Request
+from shared.serving.scheduler import Scheduler
 
 logger = logging.getLogger("runnerlab")
 
@@ -104,7 +104,7 @@ class LLMEngine:
     @property
     def tokenizer(self) -> Any:
         if not self._tokenizer_loaded:
-            from shared.tokenizer import load_tokenizer
+            from shared.serving.tokenizer import load_tokenizer
 
             self._tokenizer = load_tokenizer(self.model_config)
             self._tokenizer_loaded = True

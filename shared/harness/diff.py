@@ -38,9 +38,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from policy.cli_args import OneLineArgumentParser, usage_error
-from shared.bench.compare import PairReport, compare_runs
-from shared.bench.scenario_run import RequestRecord, ScenarioRun, run_scenario, run_solo
-from shared.bench.scenarios import QUICK_SCENARIOS, SCENARIOS, Scenario, build_scenario
+from shared.harness.compare import PairReport, compare_runs
+from shared.harness.scenario_run import RequestRecord, ScenarioRun, run_scenario, run_solo
+from shared.harness.scenarios import QUICK_SCENARIOS, SCENARIOS, Scenario, build_scenario
 
 RUNNERS = ("v1", "v2", "v2-async")
 ENGINES = (*RUNNERS, "hf", "solo")
@@ -93,7 +93,7 @@ class DiffSetup:
 
 def build_engine(setup: DiffSetup, runner: str, engine_kwargs: dict[str, Any]):
     from policy import EngineArgs
-    from shared.engine import LLMEngine
+    from shared.serving.engine import LLMEngine
 
     runner, _, mode = runner.partition("-")  # "v2-async": V2 with async scheduling
     kwargs = dict(engine_kwargs)
@@ -153,7 +153,7 @@ def _run_engines(
 
 
 def run_hf(hf: Any, scenario: Scenario, reference: ScenarioRun) -> ScenarioRun:
-    from shared.bench.hf_reference import hf_comparable
+    from shared.harness.hf_reference import hf_comparable
 
     records: dict[str, RequestRecord] = {}
     for label, add in scenario.labelled_adds().items():
@@ -185,7 +185,7 @@ def _pairs(setup: DiffSetup, runs: dict[str, ScenarioRun], runners: list[str]):
 def prepare(model: str, dtype: str, device: str, seed: int, engines: list[str],
             workdir: str, hf_cache: dict[str, Any]) -> DiffSetup:
     """Where the engines load from and the HF reference, for one seed."""
-    from shared.bench import hf_reference as hfr
+    from shared.harness import hf_reference as hfr
 
     setup = DiffSetup(model, model, dtype, device, seed, engines,
                       logprob_tol=LOGPROB_TOL.get(dtype, 1e-4),

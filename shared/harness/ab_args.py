@@ -1,6 +1,6 @@
 """`runnerlab ab`'s command line: its flags, the default sizes per device, and the checks
 that refuse a flag that cannot be honoured (one line, naming the flag) before anything
-is measured. shared/bench/ab.py runs what these settings describe."""
+is measured. shared/harness/ab.py runs what these settings describe."""
 
 from __future__ import annotations
 
@@ -20,8 +20,8 @@ from policy.cli_args import (
     int_list,
     name_list,
 )
-from shared.bench import workloads as wl
-from shared.bench.measure import decode_max_tokens
+from shared.harness import workloads as wl
+from shared.harness.measure import decode_max_tokens
 
 PROG = "runnerlab ab"
 RUNNERS = ("v1", "v2")

@@ -15,7 +15,7 @@ import torch
 
 from shared.attention.metadata import CommonAttentionMetadata
 from shared.attention.selector import get_attn_backend
-from shared.forward_context import set_forward_context
+from shared.runtime.forward_context import set_forward_context
 
 logger = logging.getLogger("runnerlab")
 

@@ -3,7 +3,7 @@
 A scenario is a small deterministic script over an LLMEngine: its own engine settings
 (a tiny KV pool to force preemption, a small token budget to force chunked prefill,
 prefix caching with shared prefixes, ...) and a list of actions — add, abort, step,
-drain. shared/bench/scenario_run.py plays it and records, per request label, the token
+drain. shared/harness/scenario_run.py plays it and records, per request label, the token
 ids, per-token logprobs (when requested) and the finish reason, and per step a summary
 of the SchedulerOutput, from which the scenario's `expects` (preemption happened, a
 prefix was hit, ...) are checked: a scenario that no longer exercises its hard case
@@ -24,7 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from shared.sampling_params import SamplingParams
+from shared.contract.sampling_params import SamplingParams
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from shared.bench.scenario_run import RequestRecord
+from shared.harness.scenario_run import RequestRecord
 
 
 @dataclass

@@ -46,8 +46,8 @@ from pathlib import Path
 
 import torch
 
-from shared.model import fused_ops
-from shared.model.gemv_tiles import (
+from shared.model.kernels import fused_ops
+from shared.model.kernels.gemv_tiles import (
     apply_epilogue,
     dot_acc,
     first_weights_then_wait,
@@ -58,7 +58,7 @@ from shared.model.gemv_tiles import (
     x_tile_dot,
     x_tile_fma,
 )
-from shared.triton_utils import pdl_launch, pdl_wait_and_release, tl, triton
+from shared.runtime.triton_utils import pdl_launch, pdl_wait_and_release, tl, triton
 
 # Token counts up to this take the GEMV path. Measured (docs/results, h200_gemv.log): with
 # the M=1 configs a layer's fused GEMVs are only 1-3% faster than cuBLAS + separate kernels

@@ -24,9 +24,9 @@ import torch
 # Before any transformers model code runs: building a model imports triton, and on a
 # machine without a GPU the interpreter must be chosen before triton's own @jit helpers
 # are decorated, or every V2 kernel launched later in this process fails.
-import shared.triton_utils  # noqa: F401
+import shared.runtime.triton_utils  # noqa: F401
+from shared.contract.sampling_params import SamplingParams
 from shared.model.loader import default_dtype
-from shared.sampling_params import SamplingParams
 
 logger = logging.getLogger("runnerlab")
 

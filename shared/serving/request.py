@@ -10,7 +10,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-from shared.sampling_params import SamplingParams
+from shared.contract.sampling_params import SamplingParams
 
 
 class RequestStatus(enum.Enum):

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from shared.triton_utils import next_power_of_2, tl, triton
+from shared.runtime.triton_utils import next_power_of_2, tl, triton
 
 # Module switch read by the layers at every call: True = Triton kernels on CUDA tensors.
 FUSED_ENABLED = True

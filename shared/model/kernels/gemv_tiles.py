@@ -1,11 +1,11 @@
-"""The fused GEMV kernel's building blocks (shared/model/gemv.py has the kernel and its
+"""The fused GEMV kernel's building blocks (shared/model/kernels/gemv.py has the kernel and its
 launcher): which weight rows a program owns, its weight and input tiles, the buffered FMA
 loop for one token, and the epilogues. Inlined into the kernel: their sm_90 code is the
 kernel's (scripts/gemv_ptx_fingerprint.py)."""
 
 from __future__ import annotations
 
-from shared.triton_utils import pdl_wait_and_release, tl, triton
+from shared.runtime.triton_utils import pdl_wait_and_release, tl, triton
 
 
 @triton.jit

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from shared.model_executor import ModelExecutor
-from shared.step_timing import StageTimer, StepStats
+from shared.runtime.model_executor import ModelExecutor
+from shared.runtime.step_timing import StageTimer, StepStats
 
 
 class RunnerSetupMixin:

@@ -38,11 +38,11 @@ def main(argv: list[str] | None = None) -> int:
     if command == "generate":
         return generate_main(rest)
     if command == "ab":
-        from shared.bench.ab import ab_main
+        from shared.harness.ab import ab_main
 
         return ab_main(rest)
     if command == "diff":
-        from shared.bench.diff import diff_main
+        from shared.harness.diff import diff_main
 
         return diff_main(rest)
     print(f"runnerlab: unknown command {command!r}\n\n{USAGE}", file=sys.stderr)
@@ -87,9 +87,9 @@ def generate_main(argv: list[str]) -> int:
     if refusal:
         return usage_error(GENERATE, refusal)
 
-    from shared.engine import EngineInputError
-    from shared.llm import LLM
-    from shared.sampling_params import SamplingParams, SamplingParamsError
+    from shared.contract.sampling_params import SamplingParams, SamplingParamsError
+    from shared.serving.engine import EngineInputError
+    from shared.serving.llm import LLM
 
     try:
         engine_args = engine_args_from_namespace(args)

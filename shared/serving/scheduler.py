@@ -36,15 +36,15 @@ from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from shared.block_manager import KVCacheManager
-from shared.request import Request, RequestStatus, RequestUpdate
-from shared.step import (
+from shared.contract.step import (
     CachedRequestData,
     ModelRunnerOutput,
     NewRequestData,
     SchedulerOutput,
     TokenLogprobs,
 )
+from shared.serving.block_manager import KVCacheManager
+from shared.serving.request import Request, RequestStatus, RequestUpdate
 
 __all__ = ["Scheduler", "RequestUpdate", "check_stop"]
 

@@ -25,8 +25,8 @@ import numpy as np
 import torch
 
 from policy.cli_args import usage_error
-from shared.bench import workloads as wl
-from shared.bench.ab_args import (
+from shared.harness import workloads as wl
+from shared.harness.ab_args import (
     PROG,
     Refused,
     _engine_args,
@@ -39,10 +39,10 @@ from shared.bench.ab_args import (
     select_runners,
     set_threads,
 )
-from shared.bench.measure import StepSamples, measure_read_bandwidth
-from shared.bench.report import print_tables, write_png
-from shared.engine import LLMEngine
-from shared.step_timing import STAGES, set_nvtx_enabled
+from shared.harness.measure import StepSamples, measure_read_bandwidth
+from shared.harness.report import print_tables, write_png
+from shared.runtime.step_timing import STAGES, set_nvtx_enabled
+from shared.serving.engine import LLMEngine
 
 logger = logging.getLogger("runnerlab")
 

@@ -1,4 +1,4 @@
-"""Playing a scenario (shared/bench/scenarios.py) on an LLMEngine and recording what
+"""Playing a scenario (shared/harness/scenarios.py) on an LLMEngine and recording what
 happened: per request label the tokens, logprobs and finish reason, and per step a
 summary of the SchedulerOutput (taken by wrapping the scheduler's schedule(), so the
 engine needs no hook), from which the scenario's expected events are counted.
@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from shared.bench.scenarios import EVENTS, Abort, Add, Drain, Scenario, Step, label_of
+from shared.harness.scenarios import EVENTS, Abort, Add, Drain, Scenario, Step, label_of
 
 # ---------------------------------------------------------------- results
 

@@ -16,7 +16,7 @@ import hashlib
 from array import array
 from collections import OrderedDict
 
-from shared.request import Request
+from shared.serving.request import Request
 
 BlockHash = bytes
 _ROOT_HASH: BlockHash = b""

@@ -15,9 +15,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from shared.bench.measure import StepSamples, run_decode
-from shared.engine import LLMEngine
-from shared.sampling_params import SamplingParams
+from shared.contract.sampling_params import SamplingParams
+from shared.harness.measure import StepSamples, run_decode
+from shared.serving.engine import LLMEngine
 
 
 @dataclass

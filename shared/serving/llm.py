@@ -9,9 +9,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from shared.engine import EngineInputError, LLMEngine
-from shared.outputs import RequestOutput
-from shared.sampling_params import SamplingParams
+from shared.contract.outputs import RequestOutput
+from shared.contract.sampling_params import SamplingParams
+from shared.serving.engine import EngineInputError, LLMEngine
 
 # One prompt as LLM.generate takes it: text, or token ids as a list / tuple of ints (NumPy
 # integer scalars too), a 1-D integer NumPy array or a 1-D integer torch tensor.

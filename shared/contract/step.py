@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from shared.sampling_params import SamplingParams
+from shared.contract.sampling_params import SamplingParams
 
 
 @dataclass

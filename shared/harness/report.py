@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from shared.step_timing import STAGES
+from shared.runtime.step_timing import STAGES
 
 ROWS = ("wall",) + STAGES  # what a step's time is made of, in the table and the chart
 # A runner is told apart by line and fill, never by colour alone (colour is the stage):

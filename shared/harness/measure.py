@@ -13,9 +13,9 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from shared.engine import LLMEngine
-from shared.sampling_params import SamplingParams
-from shared.step_timing import STAGES
+from shared.contract.sampling_params import SamplingParams
+from shared.runtime.step_timing import STAGES
+from shared.serving.engine import LLMEngine
 
 
 def cuda_times_ms(fn, reps: int, warmup: int = 5) -> np.ndarray:

@@ -1,1 +1,0 @@
-"""Benchmark and differential harnesses behind `runnerlab ab` and `runnerlab diff`."""
