@@ -27,12 +27,12 @@ import time
 
 import torch
 
-from shared import triton_utils
 from shared.attention import decode_attention, triton_backend
 from shared.attention import triton_unified_attention as attention
 from shared.attention.layer import Attention
 from shared.harness.measure import measure_read_bandwidth, run_decode
 from shared.model.kernels import gemv
+from shared.runtime import triton_utils
 from shared.serving.engine import LLMEngine
 
 _ATTENTION_FORWARD = Attention.forward

@@ -26,10 +26,10 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from shared import triton_utils  # noqa: E402
 from shared.harness.measure import graph_time_ms, measure_read_bandwidth  # noqa: E402
 from shared.model.kernels import fused_ops, gemv  # noqa: E402
 from shared.model.layers import RotaryEmbedding  # noqa: E402
+from shared.runtime import triton_utils  # noqa: E402
 
 # (name, weight rows, K, epilogue, input norm, head_dim, rope heads)
 SHAPES = [

@@ -16,8 +16,8 @@ from collections import defaultdict
 
 import torch
 
-from shared import triton_utils
 from shared.contract.sampling_params import SamplingParams
+from shared.runtime import triton_utils
 from shared.serving.engine import LLMEngine
 
 

@@ -109,7 +109,7 @@ def write_results(report: dict, output_dir: str) -> list[str]:
 
 def interpreter_caveats(engines: dict[str, LLMEngine]) -> tuple[bool, list[str]]:
     """(whether V2 ran under the Triton interpreter, the caveats for the report)."""
-    from shared import triton_utils
+    from shared.runtime import triton_utils
 
     if not triton_utils.INTERPRET:
         return False, []

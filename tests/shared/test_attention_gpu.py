@@ -178,7 +178,7 @@ def test_split_merge_is_deterministic_over_graph_replays(pdl, monkeypatch):
     with and without programmatic dependent launch: every replay gives the bitwise-same
     output (the merge order is fixed, so a partial read before its write was visible is
     the only thing that could differ) and it matches the TORCH oracle."""
-    from shared import triton_utils
+    from shared.runtime import triton_utils
 
     monkeypatch.setattr(triton_utils, "PDL_ENABLED", pdl)
     num_heads, num_kv_heads, head_dim = 32, 8, 128
@@ -210,8 +210,8 @@ def test_fused_decode_kv_write_matches_oracle_bf16(pdl, monkeypatch):
     """The uniform-decode kernel (KV write inside) on ragged bf16 decodes up to 30k keys,
     64 splits, replayed from a CUDA graph with and without PDL: output within bf16
     tolerance of write_kv_torch + TORCH, and the cache bit-identical to that write."""
-    from shared import triton_utils
     from shared.attention.decode_attention import decode_attention
+    from shared.runtime import triton_utils
 
     monkeypatch.setattr(triton_utils, "PDL_ENABLED", pdl)
     seq_lens = [30000, 1, 1025, 16, 17, 4000]

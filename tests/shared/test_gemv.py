@@ -15,10 +15,10 @@ import torch
 import torch.nn.functional as F
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-from shared import triton_utils
 from shared.model import load_model
 from shared.model.kernels import fused_ops, gemv
 from shared.model.layers import RotaryEmbedding
+from shared.runtime import triton_utils
 from tests.shared.test_fused_ops import _randomise_norms
 from tests.shared.test_model_hf import CONFIGS, PagedHarness
 
