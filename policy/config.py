@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, TypeAdapter
 from pydantic.dataclasses import dataclass
 
 from policy import features as feature_table
+from policy.kernel_options import KernelOptions
 from policy.model_config import ModelConfig
 from policy.selection import RunnerDecision
 
@@ -104,10 +105,11 @@ class EngineConfig:
     parallel_config: ParallelConfig
     load_config: LoadConfig
     device_config: DeviceConfig
-    attention_backend: Literal["TORCH", "TRITON", "FLASH_ATTN"]
+    attention_backend: Literal["TORCH", "TRITON", "FLASH_ATTN", "NULL"]
     attention_backend_source: Literal["argument", "env", "auto"]
     runner_decision: RunnerDecision
     speculative_config: SpeculativeConfig | None = None
+    kernel_options: KernelOptions = field(default_factory=KernelOptions)
     logits_processors: list[str] = field(default_factory=list)
     pooling_task: str | None = None
     enable_prompt_embeds: bool = False

@@ -32,6 +32,7 @@ from policy.config import (
     resolve_parallel,
     resolve_scheduler,
 )
+from policy.kernel_options import KernelOptions
 from policy.model_config import RUNNERLAB_ARCHITECTURES, ModelConfig, build_model_config
 from policy.presets import gguf_install_hint
 from policy.selection import decide_runner
@@ -69,8 +70,10 @@ class EngineArgs(BaseModel):
         "auto", description="auto: V1 FULL_AND_PIECEWISE, V2 FULL, NONE on CPU or when eager")
     cudagraph_capture_sizes: list[int] | None = Field(
         None, description="batch sizes to capture; default 1,2,4,8..256 step 8, then step 16")
-    attention_backend: Literal["auto", "TORCH", "TRITON", "FLASH_ATTN"] = Field(
-        "auto", description="auto: RUNNERLAB_ATTENTION_BACKEND, else TRITON on CUDA, TORCH on CPU")
+    attention_backend: Literal["auto", "TORCH", "TRITON", "FLASH_ATTN", "NULL"] = Field(
+        "auto", description="auto: RUNNERLAB_ATTENTION_BACKEND, else TRITON on CUDA, TORCH on "
+                            "CPU; NULL: benchmarks only, attention launches nothing and the "
+                            "tokens are meaningless")
     tensor_parallel_size: int = Field(1, description="only 1 is supported")
     pipeline_parallel_size: int = Field(1, description="only 1 is supported")
     # Feature fields the selection gate reads; none is implemented by a runner yet, so each
@@ -82,6 +85,10 @@ class EngineArgs(BaseModel):
     pooling_task: Literal["embed", "classify", "score", "token_embed", "token_classify"] | None = (
         Field(None, description="run a pooling task instead of generation"))
     enable_prompt_embeds: bool = Field(False, description="accept prompt embeddings as input")
+    kernel_options: KernelOptions = Field(
+        default_factory=KernelOptions,
+        description='JSON: how the CUDA kernels are chosen and launched, e.g. {"pdl": false} '
+                    '(policy/kernel_options.py; RUNNERLAB_NVTX=1 turns on its nvtx)')
 
     def create_engine_config(self) -> EngineConfig:
         """Validate, resolve and decide, for running. Raises ValueError on anything that
@@ -135,10 +142,17 @@ class EngineArgs(BaseModel):
             device_config={"device": device}, attention_backend=backend,
             attention_backend_source=backend_source, runner_decision=decision,
             speculative_config=self.speculative_config,
+            kernel_options=self._kernel_options(),
             logits_processors=list(self.logits_processors), pooling_task=self.pooling_task,
             enable_prompt_embeds=self.enable_prompt_embeds,
         )
         return config, blockers
+
+
+    def _kernel_options(self) -> KernelOptions:
+        if envs.nvtx() and not self.kernel_options.nvtx:
+            return self.kernel_options.model_copy(update={"nvtx": True})
+        return self.kernel_options
 
 
 def _weight_source(model: ModelConfig, load_format: str) -> str:
@@ -210,7 +224,7 @@ def add_engine_args(parser: argparse.ArgumentParser, *, require_model: bool = Tr
             kwargs["type"] = kind
         elif typing.get_origin(kind) is list:
             kwargs.update(nargs="*", type=typing.get_args(kind)[0])
-        elif kind is SpeculativeConfig:
+        elif kind in (SpeculativeConfig, KernelOptions):
             kwargs.update(type=json.loads, metavar="JSON")
         group.add_argument(flag, **kwargs)
 

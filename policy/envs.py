@@ -13,6 +13,7 @@ import os
 RUNNERLAB_USE_V2_MODEL_RUNNER = "RUNNERLAB_USE_V2_MODEL_RUNNER"
 RUNNERLAB_ATTENTION_BACKEND = "RUNNERLAB_ATTENTION_BACKEND"
 RUNNERLAB_LOGGING_LEVEL = "RUNNERLAB_LOGGING_LEVEL"
+RUNNERLAB_NVTX = "RUNNERLAB_NVTX"
 
 _TRUE = ("1", "true")
 _FALSE = ("0", "false")
@@ -24,6 +25,7 @@ ENV_VARS = {
     RUNNERLAB_USE_V2_MODEL_RUNNER: "unset = selection policy; 1/true = force V2; 0/false = force V1",
     RUNNERLAB_ATTENTION_BACKEND: "overrides attention_backend='auto': " + ", ".join(ATTENTION_BACKEND_VALUES),
     RUNNERLAB_LOGGING_LEVEL: "level of the 'runnerlab' logger: " + ", ".join(LOGGING_LEVEL_VALUES),
+    RUNNERLAB_NVTX: "1/true: NVTX ranges around each runner stage (KernelOptions.nvtx)",
 }
 
 
@@ -81,11 +83,22 @@ def logging_level() -> str:
     raise _bad(RUNNERLAB_LOGGING_LEVEL, value, LOGGING_LEVEL_VALUES)
 
 
+def nvtx() -> bool:
+    """RUNNERLAB_NVTX: NVTX ranges around each runner stage; False when unset."""
+    value = _raw(RUNNERLAB_NVTX)
+    if value is None:
+        return False
+    if value.lower() in _TRUE or value.lower() in _FALSE:
+        return value.lower() in _TRUE
+    raise _bad(RUNNERLAB_NVTX, value, _TRUE + _FALSE)
+
+
 def validate_all() -> None:
     """Parse every variable once; raises the first EnvVarError (used by the CLI up front)."""
     use_v2_model_runner()
     attention_backend()
     logging_level()
+    nvtx()
 
 
 def describe() -> dict[str, str | None]:

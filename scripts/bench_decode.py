@@ -27,32 +27,40 @@ import time
 
 import torch
 
-from shared.attention import decode_attention, triton_backend
-from shared.attention import triton_unified_attention as attention
-from shared.attention.layer import Attention
+from policy.kernel_options import KernelOptions
 from shared.harness.measure import measure_read_bandwidth, run_decode
-from shared.model.kernels import gemv
-from shared.runtime import triton_utils
 from shared.serving.engine import LLMEngine
 
-_ATTENTION_FORWARD = Attention.forward
-_NUM_SPLITS_FOR = triton_backend.num_splits_for
-_WEIGHT_LOAD_HINT = gemv.WEIGHT_LOAD_HINT
-# The H200 table's llama-3-8b layer GEMV configs before bench_gemv_variants replaced them
-# (commit 23d3906): the "prevgemv" mode runs them side by side with the current table.
-PREVIOUS_LLAMA_GEMV = {
-    "rope+norm:6144x4096:m1:bfloat16": (8, 256, 8, 2, 0),
-    "residual:4096x4096:m1:bfloat16": (8, 512, 8, 4, 0),
-    "silu+norm:28672x4096:m1:bfloat16": (32, 256, 4, 2, 0),
-    "residual:4096x14336:m1:bfloat16": (32, 512, 4, 5, 1),
-}
 LLAMA_RUNNERS = ("v1-cublas", "v1-nopdl", "v1-nofusedkv", "v1", "v2", "v2-async")
+_FLAGS = {  # mode -> the KernelOptions it sets
+    "cublas": {"gemv": False}, "nopdl": {"pdl": False},
+    "nofusedkv": {"fused_decode_kv_write": "never"},
+    "fusedkv": {"fused_decode_kv_write": "always"},
+    "preload": {"decode_attention_preload": True},
+    "nopreload": {"decode_attention_preload": False},
+}
+_NUMBERED = {  # attn<knob>N -> the KernelOptions field it sets to N
+    "min": "attention_min_tiles_per_split", "tile": "attention_tile_n",
+    "warps": "attention_num_warps", "stages": "decode_attention_num_stages",
+    "splits": "attention_num_splits",
+}
+
+
+def kernel_options_for(modes: set[str], gemv_configs: dict | None = None) -> KernelOptions:
+    """The KernelOptions a row's modes ask for (see make_engine)."""
+    changes: dict = {"gemv_configs": dict(gemv_configs or {})}
+    for m in modes & _FLAGS.keys():
+        changes.update(_FLAGS[m])
+    for m in modes:
+        if g := re.fullmatch(r"attn(min|tile|warps|stages|splits)(\d+)", m):
+            changes[_NUMBERED[g[1]]] = int(g[2])
+    return KernelOptions(**changes)
 
 
 def make_engine(model: str, runner: str, eager: bool, max_num_seqs: int, sizes: list[int],
-                max_model_len: int, blocks: int) -> LLMEngine:
+                max_model_len: int, blocks: int, gemv_configs: dict | None = None) -> LLMEngine:
     """runner: "v1" or "v2", then optionally "-" and modes joined by "+", each for the
-    engine's graph capture and every step after it:
+    engine's graph capture and every step after it (its KernelOptions, policy/kernel_options.py):
     - "async": the engine's async scheduling;
     - "cublas": batch-1 fused GEMV path off (cuBLAS + separate kernels);
     - "nopdl": no programmatic dependent launch;
@@ -60,73 +68,31 @@ def make_engine(model: str, runner: str, eager: bool, max_num_seqs: int, sizes: 
       decode attention, whatever the batch (default: triton_backend's rule);
     - "preload" / "nopreload": the decode attention holds its first tile across the PDL
       wait always / never (default: preload_first_tile's rule);
-    - "attnminN" / "attntileN" / "attnwarpsN" / "attnstagesN", N an integer: the decode
-      attention's MIN_TILES_PER_SPLIT / SINGLE_QUERY_TILE_N / SINGLE_QUERY_NUM_WARPS, and
-      the fused decode kernel's NUM_STAGES; "attnsplitsN": N KV splits (default:
-      triton_backend.num_splits_for);
-    - "prevgemv": llama's four layer GEMVs with the configs of the table before
-      bench_gemv_variants (PREVIOUS_LLAMA_GEMV);
-    - "hintN": every GEMV's weight loads with cache hint N (gemv.WEIGHT_LOAD_HINT);
-    - "noattn" (a diagnostic, its tokens are wrong): every attention layer returns its q
-      unchanged, launching nothing, so the row prices the attention's share of the step.
+    - "attnminN" / "attntileN" / "attnwarpsN" / "attnstagesN" / "attnsplitsN", N an integer:
+      the unified attention's fewest tiles per split, single-query tile and warps, the fused
+      decode kernel's pipeline stages, and N KV splits for every decode launch;
+    - "noattn" (a diagnostic, its tokens are wrong): the benchmark-only NULL attention
+      backend, which launches nothing, so the row prices the attention's share of the step.
+    gemv_configs: GEMV launch configs by shape key over the device's table (the tuner's).
     E.g. "v1-cublas+nopdl"."""
     from policy import EngineArgs
 
     runner, _, mode = runner.partition("-")
     modes = set(mode.split("+")) - {""}
-    numbered = {m: (g[1], int(g[2])) for m in modes
-                if (g := re.fullmatch(r"attn(min|tile|warps|stages|splits)(\d+)", m))}
-    hints = [int(m[4:]) for m in modes if re.fullmatch(r"hint\d", m)]
-    unknown = (modes - {"async", "cublas", "nopdl", "nofusedkv", "fusedkv", "preload",
-                        "nopreload", "noattn", "prevgemv"} - set(numbered)
-               - {f"hint{h}" for h in hints})
+    numbered = {m for m in modes if re.fullmatch(r"attn(min|tile|warps|stages|splits)\d+", m)}
+    unknown = modes - {"async", "noattn", *_FLAGS} - numbered
     if unknown:
         raise ValueError(f"bench_decode --rows: unknown mode(s) {sorted(unknown)} in {runner}-{mode}")
-    gemv.ENABLED = "cublas" not in modes
-    gemv.WEIGHT_LOAD_HINT = hints[0] if hints else _WEIGHT_LOAD_HINT
-    if "prevgemv" in modes:
-        gemv.CONFIG_OVERRIDES.update(PREVIOUS_LLAMA_GEMV)
-    if "noattn" in modes:
-        Attention.forward = lambda self, q, k, v: q
-    triton_utils.PDL_ENABLED = "nopdl" not in modes
-    triton_backend.FUSED_DECODE_KV_WRITE = ("never" if "nofusedkv" in modes
-                                            else "always" if "fusedkv" in modes else "auto")
-    decode_attention.PRELOAD_FIRST_TILE = (True if "preload" in modes
-                                           else False if "nopreload" in modes else None)
-    for knob, n in numbered.values():
-        if knob == "splits":  # every decode launch gets n KV splits, whatever its batch
-            triton_backend.num_splits_for = lambda *_, n=n: n
-        else:
-            setattr(*_ATTENTION_KNOBS[knob], n)
     args = EngineArgs(
         async_scheduling="async" in modes,
         model=model, load_format="dummy", dtype="bfloat16", device="cuda", seed=0,
         model_runner=runner, enforce_eager=eager, max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max(8192, max_num_seqs), max_model_len=max_model_len,
         num_gpu_blocks_override=blocks, cudagraph_capture_sizes=None if eager else sizes,
-        enable_prefix_caching=False,
+        enable_prefix_caching=False, kernel_options=kernel_options_for(modes, gemv_configs),
+        attention_backend="NULL" if "noattn" in modes else "auto",
     )
     return LLMEngine.from_engine_args(args)
-
-
-_ATTENTION_KNOBS = {  # attnKNOBn -> (module, attribute)
-    "min": (attention, "MIN_TILES_PER_SPLIT"), "tile": (attention, "SINGLE_QUERY_TILE_N"),
-    "warps": (attention, "SINGLE_QUERY_NUM_WARPS"), "stages": (decode_attention, "NUM_STAGES"),
-}
-_ATTENTION_DEFAULTS = {knob: getattr(*where) for knob, where in _ATTENTION_KNOBS.items()}
-
-
-def reset_switches() -> None:
-    """The module switches make_engine's modes flip, back to their defaults."""
-    gemv.ENABLED = triton_utils.PDL_ENABLED = True
-    gemv.WEIGHT_LOAD_HINT = _WEIGHT_LOAD_HINT
-    gemv.CONFIG_OVERRIDES.clear()
-    Attention.forward = _ATTENTION_FORWARD
-    triton_backend.FUSED_DECODE_KV_WRITE = "auto"
-    for knob, value in _ATTENTION_DEFAULTS.items():
-        setattr(*_ATTENTION_KNOBS[knob], value)
-    triton_backend.num_splits_for = _NUM_SPLITS_FOR
-    decode_attention.PRELOAD_FIRST_TILE = None
 
 
 def free(engine: LLMEngine) -> None:
@@ -144,7 +110,6 @@ def llama_row(runner: str, bw: float, steps: int) -> tuple[dict, dict]:
     head_bytes = head.numel() * head.element_size()
     samples, steady_ms, tokens = run_decode(engine, 1, 1024, warmup=10, steps=steps, tag="r")
     free(engine)
-    reset_switches()
     s = samples.summary()
     return {
         "summary": s, "steady_ms": steady_ms, "forward_gpu_ms": s["forward_gpu_ms"]["median"],
@@ -196,8 +161,6 @@ def llama_batch1(bw: float, steps: int, rows: list[str], repeats: int) -> dict:
         for runner in rows:
             if runner.startswith("v1"):
                 result[runner]["tokens_same_as_v1"] = tokens[runner] == tokens["v1"]
-    if {"v1", "v1-prevgemv"} <= tokens.keys():  # bf16, other summation order: reported only
-        result["tokens_same_as_prevgemv"] = tokens["v1-prevgemv"] == tokens["v1"]
     if {"v1", "v1-cublas"} <= tokens.keys():
         # bf16: a different summation order may flip a near-tie, so this one is reported only.
         result["tokens_same_as_cublas"] = tokens["v1-cublas"] == tokens["v1"]
@@ -222,7 +185,6 @@ def qwen_ladder(steps: int, batches: list[int], runners: list[str], eager_too: b
                 })
                 print(json.dumps(result["rows"][-1]), flush=True)
             free(engine)
-            reset_switches()
     return result
 
 

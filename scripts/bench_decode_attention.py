@@ -19,9 +19,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from policy.kernel_options import KernelOptions  # noqa: E402
 from shared.attention import decode_attention as fused  # noqa: E402
-from shared.attention import triton_unified_attention as unified  # noqa: E402
 from shared.harness.measure import graph_time_ms  # noqa: E402
+from shared.runtime.kernel_options import use_kernel_options  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 32, 8, 128, 16
 CONFIGS = [(4, 3), (8, 1), (8, 3), (4, 1), (8, 2)]  # (warps, stages)
@@ -41,16 +42,15 @@ def time_us(ctx: int, splits: int, reps: int) -> dict:
     last = ctx - 1
     slot = block_table[0, last // BLOCK].to(torch.int64) * BLOCK + last % BLOCK
     row = {}
-    default_stages = fused.NUM_STAGES
     for warps, stages in CONFIGS:
-        unified.SINGLE_QUERY_NUM_WARPS, fused.NUM_STAGES = warps, stages
+        options = KernelOptions(attention_num_warps=warps, decode_attention_num_stages=stages)
 
-        def call():
+        def call(options=options):
             fused.decode_attention(query, key, value, k_cache, v_cache, output, qsl, seq_lens,
                              block_table, slot.view(1), HEAD_DIM**-0.5, num_splits=splits)
 
-        row[f"w{warps}_s{stages}"] = graph_time_ms(call, reps) * 1e3
-    unified.SINGLE_QUERY_NUM_WARPS, fused.NUM_STAGES = None, default_stages
+        with use_kernel_options(options):  # the graph captures the launches with them
+            row[f"w{warps}_s{stages}"] = graph_time_ms(call, reps) * 1e3
     return row
 
 

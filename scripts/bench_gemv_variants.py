@@ -38,11 +38,10 @@ LLAMA = [s for s in SHAPES if s[0].startswith("llama") and s[0] != "llama lm_hea
 
 
 def candidates(epilogue: str, head_dim: int, table_cfg: tuple) -> list[tuple]:
-    """Configs (BLOCK_N, BLOCK_K, warps, stages, kernel, preload) to time for one shape."""
-    out = [table_cfg, table_cfg[:5] + (0,)]
+    """Configs (BLOCK_N, BLOCK_K, warps, stages, kernel, 1) to time for one shape."""
+    out = [table_cfg]
     for bn, bk, stages in ((64, 128, 3), (64, 256, 3), (32, 256, 4), (32, 512, 5)):
-        for preload in (1, 0):
-            out.append((bn, bk, 4, stages, 1, preload))
+        out.append((bn, bk, 4, stages, 1, 1))
     for bn, bk, warps in itertools.product((4, 8, 16, 32), (128, 256, 512), (4, 8)):
         if epilogue != "rope" or (head_dim // 2) % bn == 0:
             out.append((bn, bk, warps, 1, 2, 1))

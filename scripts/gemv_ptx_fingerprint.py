@@ -8,8 +8,7 @@ that were tuned and measured on the H200 unchanged, so their numbers still hold:
   python3 scripts/gemv_ptx_fingerprint.py > after.json && diff before.json after.json
 
 Variants: the launch configs of the llama-3-8b table plus odd ones (more tokens, bias, an
-unaligned K, the other cache hints on the weight loads), each in bf16 and float32, with and
-without programmatic dependent launch.
+unaligned K), each in bf16 and float32, with and without programmatic dependent launch.
 Compiled as a launch specialises them (16-byte aligned pointers, strides divisible by 16);
 debug info and line markers are dropped, so moving code between lines changes nothing.
 """
@@ -35,8 +34,8 @@ from triton.compiler import ASTSource, compile  # noqa: E402
 
 from shared.model.kernels import gemv  # noqa: E402
 
-# name, kernel (0 FMA, 1 dot, 2/3 buffered FMA), epilogue, BLOCK_N, BLOCK_K, stages, warps,
-# K, M, bias[, preload]: the H200 table's llama-3-8b entries, then odd ones
+# name, kernel (0 FMA, 1 dot, 2 double-buffered FMA), epilogue, BLOCK_N, BLOCK_K, stages,
+# warps, K, M, bias: the H200 table's llama-3-8b entries, then odd ones
 VARIANTS = [
     ("qkv", 2, "rope", 4, 256, 1, 4, 4096, 1, False),
     ("o_proj", 2, "residual", 8, 512, 1, 8, 4096, 1, False),
@@ -45,30 +44,22 @@ VARIANTS = [
     ("lm_head", 1, "none", 64, 128, 3, 4, 4096, 1, False),
     ("fma_gate_up", 0, "silu", 32, 256, 2, 4, 4096, 1, False),
     ("dot_down", 1, "residual", 32, 512, 5, 4, 14336, 1, False),
-    ("dot_gate_up_no_preload", 1, "silu", 64, 256, 3, 4, 4096, 1, False, 0),
-    ("fma3_gate_up", 3, "silu", 8, 128, 1, 4, 4096, 1, False),
     ("fma_3_tokens", 0, "silu", 16, 256, 2, 4, 4096, 3, False),
     ("dot_8_tokens_rope", 1, "rope", 16, 256, 3, 4, 4096, 8, False),
     ("fma_bias_odd_k", 0, "none", 16, 256, 2, 4, 1000, 2, True),
-    # the weight loads with the other cache hints (gemv.WEIGHT_LOAD_HINT 0 and 2)
-    ("o_proj_no_hint", 2, "residual", 8, 512, 1, 8, 4096, 1, False, 1, 0),
-    ("lm_head_no_hint", 1, "none", 64, 128, 3, 4, 4096, 1, False, 1, 0),
-    ("lm_head_cg", 1, "none", 64, 128, 3, 4, 4096, 1, False, 1, 2),
-    ("fma_gate_up_cg", 0, "silu", 32, 256, 2, 4, 4096, 1, False, 1, 2),
 ]
 _SIGNATURE = inspect.signature(gemv._gemv_kernel.fn)
 POINTERS = ("x_ptr", "w_ptr", "bias_ptr", "norm_w_ptr", "residual_ptr", "out_ptr")
 
 
 def fingerprint(name, kernel, epilogue, block_n, block_k, stages, warps, k, m, bias,
-                preload=1, hint=None, *, pdl, dtype) -> str:
+                *, pdl, dtype) -> str:
     const = dict(
         K=k, M=m, BLOCK_N=block_n, BLOCK_K=block_k, USE_DOT=kernel == 1, BLOCK_M=16,
-        FMA_DEPTH=kernel if kernel in (2, 3) and m == 1 else 0, PRELOAD=bool(preload),
+        BUFFERED_FMA=kernel == 2 and m == 1,
         IEEE=dtype == "fp32", HAS_BIAS=bias, HAS_NORM=epilogue in ("silu", "rope"),
         EPILOGUE=gemv._EPILOGUES[epilogue], HEAD_DIM=128 if epilogue == "rope" else 0,
         NUM_ROPE_HEADS=40 if epilogue == "rope" else 0, USE_PDL=pdl,
-        HINT=gemv.WEIGHT_LOAD_HINT if hint is None else hint,  # None: as launched
     )
     # Constexprs with defaults: as a launch that does not pass them fills them in.
     const.update({name: p.default for name, p in _SIGNATURE.parameters.items()

@@ -4,10 +4,13 @@
 #
 #   scripts/gpu_check.sh [gemv|tune|tests|boundary|attention|decode|profile|ab|ab_async|hf|all]...
 #
-# Stages run in the order of this file, whatever the order of the arguments: gemv and tune
-# come first because they write the GEMV launch table (shared/model/kernels/gemv_configs.json)
-# that the later stages' models read: gemv per shape, tune llama-3-8b's layer GEMVs inside
-# the decode step. GEMV_ARGS, TUNE_ARGS, DECODE_ARGS and GPU_TESTS pass arguments on.
+# Stages run in the order of this file, whatever the order of the arguments. gemv and tune
+# write a GEMV launch table to $OUT/gemv_configs.json (gemv per shape, tune llama-3-8b's
+# layer GEMVs inside the decode step), never into the package: promoting it is a separate,
+# explicit step, done by hand after reading the run (copy the fetched file over
+# shared/model/kernels/gemv_configs.json and commit it with the run's results). The later
+# stages measure the package's table. GEMV_ARGS, TUNE_ARGS, DECODE_ARGS and GPU_TESTS pass
+# arguments on.
 #
 # Run through the device tool from the repository root, carrying `.whl`:
 #   python3 -m pip download ... -d .whl pydantic==2.14.4 pydantic-core==2.50.5 \
@@ -31,16 +34,17 @@ stages=("$@")
 want() { for s in "${stages[@]}"; do [ "$s" = "$1" ] || [ "$s" = all ] && return 0; done; return 1; }
 status=0
 
+if want gemv || want tune; then  # the run's table starts as a copy of the package's
+  cp shared/model/kernels/gemv_configs.json "$OUT/gemv_configs.json"
+fi
 if want gemv; then
   python3 scripts/bench_gemv.py --out "$OUT/gemv.json" \
-    --configs-out shared/model/kernels/gemv_configs.json ${GEMV_ARGS:-} 2>&1 | tee "$OUT/gemv.log"
-  cp shared/model/kernels/gemv_configs.json "$OUT/gemv_configs.json"
+    --configs-out "$OUT/gemv_configs.json" ${GEMV_ARGS:-} 2>&1 | tee "$OUT/gemv.log"
 fi
 if want tune; then
   python3 scripts/tune_gemv_in_step.py --out "$OUT/tune.json" \
-    --configs-out shared/model/kernels/gemv_configs.json ${TUNE_ARGS:-} 2>&1 | grep -v "^INFO" \
+    --configs-out "$OUT/gemv_configs.json" ${TUNE_ARGS:-} 2>&1 | grep -v "^INFO" \
     | tee "$OUT/tune.log"
-  cp shared/model/kernels/gemv_configs.json "$OUT/gemv_configs.json"
 fi
 if want tests; then
   python3 -m pytest -q -m gpu -p no:cacheprovider -o addopts="" -rfE --durations=15 \

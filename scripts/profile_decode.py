@@ -17,7 +17,6 @@ from collections import defaultdict
 import torch
 
 from shared.contract.sampling_params import SamplingParams
-from shared.runtime import triton_utils
 from shared.serving.engine import LLMEngine
 
 
@@ -32,13 +31,14 @@ def main() -> int:
                    help="keep programmatic dependent launch on: a kernel's time then includes "
                         "its wait for the one before, so per-kernel times overlap")
     args = p.parse_args()
-    triton_utils.PDL_ENABLED = args.pdl
     from policy import EngineArgs
+    from policy.kernel_options import KernelOptions
 
     engine = LLMEngine.from_engine_args(EngineArgs(
         model=args.model, load_format="dummy", dtype="bfloat16", device="cuda", seed=0,
         model_runner=args.runner, enforce_eager=args.eager, max_num_seqs=max(8, args.batch),
         max_model_len=2048, num_gpu_blocks_override=4096, enable_prefix_caching=False,
+        kernel_options=KernelOptions(pdl=args.pdl),
     ))
     params = SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)
     for i in range(args.batch):

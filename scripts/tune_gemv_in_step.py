@@ -5,7 +5,7 @@ bench_gemv times each shape alone and bench_gemv_variants the four in a chain; n
 has the attention kernels, the norms and the LM head around them, and a config that wins
 there can lose in the step (the chain predicted 5 us per layer for the variants table, the
 step gave 1.6). Here each candidate is a whole V1 engine (llama-3-8b, dummy bf16 weights,
-batch 1, context 1024, FULL graphs) with gemv.CONFIG_OVERRIDES set, timed by the GPU time
+batch 1, context 1024, FULL graphs) with the candidates as KernelOptions.gemv_configs, timed by the GPU time
 of its decode step, forward + LM head + sampler (median over the steps; the runs before
 2026-11-30's fifth session timed the forward alone, which leaves the LM head out).
 Coordinate descent from the current table: one shape at a time, each candidate of
@@ -29,33 +29,31 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_decode import free, make_engine, reset_switches  # noqa: E402
+from bench_decode import free, make_engine  # noqa: E402
 from bench_gemv import merge_configs  # noqa: E402
 
 from shared.harness.measure import measure_read_bandwidth, run_decode  # noqa: E402
 from shared.model.kernels import gemv  # noqa: E402
 
-# config_key -> configs to try, (BLOCK_N, BLOCK_K, warps, stages, kernel, preload): the
-# buffered FMA kernels (2: two tiles in flight, 3: three) over a grid of tiles, and the
-# other kernels' best few from h200_gemv_variants and the tables before.
+# config_key -> configs to try, (BLOCK_N, BLOCK_K, warps, stages, kernel, 1): the
+# double-buffered FMA kernel (2) over a grid of tiles, and the other kernels' best few from
+# h200_gemv_variants and the tables before.
 _FMA2 = [(n, k, w, 1, 2, 1) for n in (4, 8, 16) for k in (128, 256, 512) for w in (4, 8)]
-_FMA3 = [(n, k, w, 1, 3, 1) for n in (4, 8, 16) for k in (128, 256) for w in (4, 8)]
 # Not here: the dot kernel in 16- or 32-row tiles with 3-5 cp.async stages (the LM head's
 # kind of config at many programs). On the layer GEMVs every one lost, by 0.1-6 ms per
 # step (docs/results, h200_gemv_tune_in_step_dot).
 CANDIDATES = {
-    "rope+norm:6144x4096:m1:bfloat16": _FMA2 + _FMA3 + [(8, 256, 8, 2, 0, 1)],
-    "residual:4096x4096:m1:bfloat16": _FMA2 + _FMA3 + [(8, 512, 8, 4, 0, 1)],
-    "silu+norm:28672x4096:m1:bfloat16": _FMA2 + _FMA3 + [
-        (64, 256, 4, 3, 1, 0), (32, 256, 4, 2, 0, 1)],
-    "residual:4096x14336:m1:bfloat16": _FMA2 + _FMA3 + [(32, 512, 4, 5, 1, 1)],
+    "rope+norm:6144x4096:m1:bfloat16": _FMA2 + [(8, 256, 8, 2, 0, 1)],
+    "residual:4096x4096:m1:bfloat16": _FMA2 + [(8, 512, 8, 4, 0, 1)],
+    "silu+norm:28672x4096:m1:bfloat16": _FMA2 + [
+        (32, 256, 4, 2, 0, 1)],
+    "residual:4096x14336:m1:bfloat16": _FMA2 + [(32, 512, 4, 5, 1, 1)],
     # the LM head: only the runs from the fifth session on time it (see the docstring)
     "none:128256x4096:m1:bfloat16": _FMA2 + [
-        (64, 128, 4, 3, 1, 1), (64, 128, 4, 3, 1, 0), (32, 128, 4, 3, 1, 1),
-        (64, 256, 4, 3, 1, 1), (64, 128, 8, 4, 1, 1), (8, 128, 4, 1, 3, 1), (8, 256, 8, 1, 3, 1)],
+        (64, 128, 4, 3, 1, 1), (32, 128, 4, 3, 1, 1), (64, 256, 4, 3, 1, 1),
+        (64, 128, 8, 4, 1, 1)],
 }
 ONLY = {  # --only: a subset of the candidates
-    "fma3": lambda key, cfg: cfg[4] == 3 or key.startswith("none"),
     "lmhead": lambda key, cfg: key.startswith("none"),
 }
 
@@ -63,9 +61,9 @@ ONLY = {  # --only: a subset of the candidates
 def step_ms(configs: dict[str, tuple], steps: int, log: list) -> float:
     """Median decode-step GPU ms (forward + LM head + sampler) of a fresh V1 engine with
     these GEMV configs."""
-    gemv.CONFIG_OVERRIDES.update(configs)
     try:
-        engine = make_engine("llama-3-8b", "v1", False, 8, [1, 2, 4, 8], 2048, 512)
+        engine = make_engine("llama-3-8b", "v1", False, 8, [1, 2, 4, 8], 2048, 512,
+                             gemv_configs=configs)
         samples, _, _ = run_decode(engine, 1, 1024, warmup=10, steps=steps, tag="t")
         ms = statistics.median(samples.step_gpu_ms)
     except Exception as e:  # e.g. a tile past the shared memory: the candidate loses
@@ -73,7 +71,6 @@ def step_ms(configs: dict[str, tuple], steps: int, log: list) -> float:
         ms = float("inf")
     engine = None
     free(engine)
-    reset_switches()  # clears the overrides
     log.append({"configs": {k: list(v) for k, v in configs.items()}, "step_gpu_ms": ms})
     print(f"  {ms:.4f} ms  {[list(configs[k]) for k in CANDIDATES]}", flush=True)
     return ms
@@ -85,8 +82,7 @@ def main() -> int:
     p.add_argument("--configs-out", type=Path, default=None)
     p.add_argument("--rounds", type=int, default=1)
     p.add_argument("--only", default="", choices=["", *ONLY],
-                   help="'fma3': only the kernel-3 candidates and the LM head's; 'lmhead': only "
-                        "the LM head's (default: all)")
+                   help="'lmhead': only the LM head's candidates (default: all)")
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--margin", type=float, default=0.004, help="ms a candidate must win by")
     p.add_argument("--confirm", type=int, default=3)

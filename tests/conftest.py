@@ -22,3 +22,19 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip_gpu)
+
+
+@pytest.fixture
+def kernel_opts():
+    """kernel_opts(pdl=False, ...): this test's KernelOptions (the defaults plus the changes;
+    calls stack), installed where the kernel launchers read them, removed after the test."""
+    import contextlib
+
+    from shared.runtime.kernel_options import kernel_options, use_kernel_options
+
+    with contextlib.ExitStack() as stack:
+        def install(**changes):
+            options = kernel_options().model_copy(update=changes)
+            return stack.enter_context(use_kernel_options(options))
+
+        yield install

@@ -17,7 +17,7 @@ Program = (request, kv head, split), as the unified kernel's single-query mappin
 the same split partition, so `reduce_splits_kernel` merges the partials unchanged.
 
 When it runs: the TRITON impl uses it while the batch's (row, KV head) pairs number fewer
-than the SMs (triton_backend.FUSED_DECODE_KV_WRITE); with more rows the KV-write kernel +
+than the SMs (KernelOptions.fused_decode_kv_write); with more rows the KV-write kernel +
 unified kernel measured faster, for a reason not yet found. The first-tile preload runs
 only with KV splits (preload_first_tile).
 """
@@ -28,6 +28,7 @@ import torch
 
 from shared.attention import triton_unified_attention as unified
 from shared.attention.unified_attention_kernels import attend_kv_tiles, split_tile_range
+from shared.runtime.kernel_options import kernel_options
 from shared.runtime.triton_utils import (
     next_power_of_2,
     pdl_launch,
@@ -227,14 +228,13 @@ def _write_and_attend_new_kv(
     return acc, l_i, m_new
 
 
-# None: preload_first_tile's rule; True / False force it (benchmarks).
-PRELOAD_FIRST_TILE: bool | None = None
-# Software-pipeline stages of the KV loop. One, not the single-query config's three: on the
-# H200 one was faster alone at every context from 1K to 128K keys (batch 1: 5.7 against
-# 6.9 us at 1K, 149 against 182 us at 128K; h200_decode_attention_configs.json), and the
-# llama-3-8b batch-1 step 0.02-0.03 ms faster (h200_decode_llama3_8b_attn_config.json).
-# The first tile is loaded by hand before the PDL wait anyway. Benchmarks change it.
-NUM_STAGES = 1
+# KernelOptions.decode_attention_preload: None is preload_first_tile's rule; True / False
+# force it (benchmarks). KernelOptions.decode_attention_num_stages (default 1): the
+# software-pipeline stages of the KV loop. One, not the single-query config's three: on the
+# H200 one was faster alone at every context from 1K to 128K keys
+# (h200_decode_attention_configs.json), and in the llama-3-8b batch-1 step
+# (h200_decode_llama3_8b_attn_config.json). The first tile is loaded by hand before the
+# PDL wait anyway.
 
 
 def preload_first_tile(num_splits: int) -> bool:
@@ -242,7 +242,8 @@ def preload_first_tile(num_splits: int) -> bool:
     widened by KV splits (small batches: bound by latency) that takes the loads off the
     critical path. With one split per row the batch fills the GPU on its own, and the
     held tile costs registers the software pipeline of the loop would rather have."""
-    return num_splits > 1 if PRELOAD_FIRST_TILE is None else PRELOAD_FIRST_TILE
+    forced = kernel_options().decode_attention_preload
+    return num_splits > 1 if forced is None else forced
 
 
 def decode_attention(
@@ -282,9 +283,10 @@ def decode_attention(
         *key_cache.stride(), *value_cache.stride(), block_table.stride(0),
         GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_M=cfg.block_m,
         TILE_N=cfg.tile_n, KV_BLOCK_SIZE=key_cache.shape[1], NUM_SPLITS=num_splits,
-        MIN_TILES_PER_SPLIT=unified.MIN_TILES_PER_SPLIT, DOT_DTYPE=dot_dtype,
+        MIN_TILES_PER_SPLIT=unified.min_tiles_per_split(), DOT_DTYPE=dot_dtype,
         DOT_PRECISION=unified.dot_precision_for(dot_dtype),
         PRELOAD=preload_first_tile(num_splits),
-        num_warps=cfg.num_warps, num_stages=NUM_STAGES, **pdl_launch(query),
+        num_warps=cfg.num_warps, num_stages=kernel_options().decode_attention_num_stages,
+        **pdl_launch(query),
     )
     unified.reduce_splits(output, partials, seq_lens, query_start_loc, cfg.tile_n, num_splits)

@@ -10,7 +10,7 @@ from shared.attention.backend import AttentionBackend
 
 logger = logging.getLogger("runnerlab")
 
-BACKEND_NAMES = ("TORCH", "TRITON", "FLASH_ATTN")
+BACKEND_NAMES = ("TORCH", "TRITON", "FLASH_ATTN", "NULL")
 
 
 class AttentionBackendError(RuntimeError):
@@ -39,6 +39,12 @@ def get_attn_backend(name: str, device: torch.device) -> AttentionBackend:
         from shared.attention.triton_backend import TritonBackend
 
         backend = TritonBackend()
+    elif resolved == "NULL":
+        from shared.attention.null_backend import NullBackend
+
+        backend = NullBackend()
+        logger.warning("Attention backend NULL: attention launches nothing and leaves its "
+                       "output unwritten; for pricing a step's attention share only")
     else:
         from shared.attention.flash_attn_backend import FlashAttnBackend
 

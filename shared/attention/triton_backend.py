@@ -27,16 +27,17 @@ from shared.attention.backend import AttentionBackend
 from shared.attention.decode_attention import decode_attention
 from shared.attention.metadata import CommonAttentionMetadata
 from shared.attention.triton_unified_attention import paged_attention
+from shared.runtime.kernel_options import kernel_options
 from shared.runtime.triton_utils import next_power_of_2
 
 # Upper bound on KV splits per (request, kv head): 64 splits x 512 keys covers 32k.
 DEFAULT_MAX_NUM_SPLITS = 64
 # When a uniform-decode batch writes its K/V inside the decode attention kernel instead
-# of in a KV-write kernel before it: "auto" when its (row, KV head) pairs number fewer
-# than the GPU's SMs, where the step is bound by latency and the fusion pays (llama-3-8b
-# batch 1 on the H200: 0.06 ms a step); with more rows the two-kernel path measured
-# faster (qwen3-0.6b batch 64-512, docs/results). "always" / "never": benchmarks, tests.
-FUSED_DECODE_KV_WRITE = "auto"
+# of in a KV-write kernel before it (KernelOptions.fused_decode_kv_write): "auto" when its
+# (row, KV head) pairs number fewer than the GPU's SMs, where the step is bound by latency
+# and the fusion pays (llama-3-8b batch 1 on the H200); with more rows the two-kernel path
+# measured faster (qwen3-0.6b batch 64-512; both in docs/results). "always" / "never":
+# benchmarks, tests.
 
 
 @dataclass
@@ -105,8 +106,9 @@ class TritonAttentionImpl:
         self.max_num_splits = max_num_splits
 
     def splits_for(self, num_reqs_padded: int, device: torch.device) -> int:
-        if self.num_splits is not None:
-            return self.num_splits
+        forced = self.num_splits or kernel_options().attention_num_splits
+        if forced is not None:
+            return forced
         return num_splits_for(
             num_reqs_padded, self.num_kv_heads, _num_sms(device), self.max_num_splits
         )
@@ -114,12 +116,12 @@ class TritonAttentionImpl:
     def fuses_kv_write(self, metadata: TritonAttentionMetadata) -> bool:
         """Does forward_with_kv_write do this step's KV write and attention in one kernel
         (see decode_attention)? Uniform decode only (no multi-query launch), and then as
-        FUSED_DECODE_KV_WRITE says."""
-        if metadata.run_multi_query or FUSED_DECODE_KV_WRITE == "never":
+        KernelOptions.fused_decode_kv_write says."""
+        setting = kernel_options().fused_decode_kv_write
+        if metadata.run_multi_query or setting == "never":
             return False
-        if FUSED_DECODE_KV_WRITE == "always":
+        if setting == "always":
             return True
-        assert FUSED_DECODE_KV_WRITE == "auto", FUSED_DECODE_KV_WRITE
         num_reqs_padded = metadata.seq_lens.shape[0]  # a graph's fixed size: no sync
         return num_reqs_padded * self.num_kv_heads < _num_sms(metadata.seq_lens.device)
 

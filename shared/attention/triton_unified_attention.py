@@ -17,21 +17,24 @@ from shared.attention.unified_attention_kernels import (
     paged_attention_kernel,
     reduce_splits_kernel,
 )
+from shared.runtime.kernel_options import kernel_options
 from shared.runtime.triton_utils import INTERPRET, next_power_of_2, pdl_launch, tl
 
 LOG2E = 1.4426950408889634
 
-# A split covers at least this many KV tiles. One: at batch 1 the decode is bound by
-# latency, and one tile per split means the uniform-decode kernel has its whole range
-# loaded before its PDL wait (llama-3-8b batch 1 on the H200: 0.06 ms a step faster than
-# two, docs/results). A partial costs 1/16 of a 64-key tile's reads per head. (Module
-# values: benchmarks change them; they are read at each launch.)
-MIN_TILES_PER_SPLIT = 1
-# Keys per loop iteration of the decode (single-query) kernel for 16-bit inputs; None:
-# 64 up to head_dim 128, else 32.
-SINGLE_QUERY_TILE_N: int | None = None
-# Warps of that kernel for 16-bit inputs; None: 4.
-SINGLE_QUERY_NUM_WARPS: int | None = None
+# The engine's KernelOptions set three launch parameters here, read at each launch:
+# - attention_min_tiles_per_split (default 1): a split covers at least this many KV tiles.
+#   One: at batch 1 the decode is bound by latency, and one tile per split means the
+#   uniform-decode kernel has its whole range loaded before its PDL wait (llama-3-8b
+#   batch 1 on the H200: faster than two, docs/results). A partial costs 1/16 of a 64-key
+#   tile's reads per head.
+# - attention_tile_n: keys per loop iteration of the decode (single-query) kernel for
+#   16-bit inputs; None: 64 up to head_dim 128, else 32.
+# - attention_num_warps: warps of that kernel for 16-bit inputs; None: 4.
+
+
+def min_tiles_per_split() -> int:
+    return kernel_options().attention_min_tiles_per_split
 
 
 @dataclass(frozen=True)
@@ -49,8 +52,10 @@ def single_query_config(group: int, block_d: int, wide: bool) -> _KernelConfig:
     block_m = max(16, next_power_of_2(group))
     if wide:  # see _multi_query_config
         return _KernelConfig(block_m, 1, 32, num_warps=8, num_stages=3)
-    tile_n = SINGLE_QUERY_TILE_N or (64 if block_d <= 128 else 32)
-    return _KernelConfig(block_m, 1, tile_n, num_warps=SINGLE_QUERY_NUM_WARPS or 4, num_stages=3)
+    options = kernel_options()
+    tile_n = options.attention_tile_n or (64 if block_d <= 128 else 32)
+    return _KernelConfig(block_m, 1, tile_n, num_warps=options.attention_num_warps or 4,
+                         num_stages=3)
 
 
 def _multi_query_config(group: int, block_d: int, wide: bool) -> _KernelConfig:
@@ -116,7 +121,7 @@ def paged_attention(
                  *key_cache.stride(), *value_cache.stride(), block_table.stride(0)),
         consts=dict(
             GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d, KV_BLOCK_SIZE=kv_block_size,
-            MIN_TILES_PER_SPLIT=MIN_TILES_PER_SPLIT, DOT_DTYPE=dot_dtype,
+            MIN_TILES_PER_SPLIT=min_tiles_per_split(), DOT_DTYPE=dot_dtype,
             DOT_PRECISION=dot_precision_for(dot_dtype),
         ),
     )
@@ -175,7 +180,7 @@ def reduce_splits(output: torch.Tensor, partials: tuple, seq_lens: torch.Tensor,
         output, *partials, seq_lens, query_start_loc, *output.stride(),
         HEAD_DIM=head_dim, BLOCK_D=max(16, next_power_of_2(head_dim)), TILE_N=tile_n,
         NUM_SPLITS=num_splits, BLOCK_S=next_power_of_2(num_splits),
-        MIN_TILES_PER_SPLIT=MIN_TILES_PER_SPLIT, num_warps=4, **pdl_launch(output),
+        MIN_TILES_PER_SPLIT=min_tiles_per_split(), num_warps=4, **pdl_launch(output),
     )
 
 

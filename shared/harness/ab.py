@@ -41,7 +41,7 @@ from shared.harness.ab_args import (
 )
 from shared.harness.measure import StepSamples, measure_read_bandwidth
 from shared.harness.report import print_tables, write_png
-from shared.runtime.step_timing import STAGES, set_nvtx_enabled
+from shared.runtime.step_timing import STAGES
 from shared.serving.engine import LLMEngine
 
 logger = logging.getLogger("runnerlab")
@@ -77,7 +77,6 @@ def ab_main(argv: list[str]) -> int:
 
 
 def _measure(args: argparse.Namespace, argv: list[str], settings: dict, runners: list[str]) -> int:
-    set_nvtx_enabled(args.nvtx)
     try:
         engines = {r: LLMEngine.from_engine_args(_engine_args(args, r, concurrency(settings)))
                    for r in runners}

@@ -20,6 +20,7 @@ from policy.cli_args import (
     int_list,
     name_list,
 )
+from policy.kernel_options import KernelOptions
 from shared.harness import workloads as wl
 from shared.harness.measure import decode_max_tokens
 
@@ -260,6 +261,10 @@ def _engine_args(args: argparse.Namespace, runner: str, max_batch: int):
         base["gpu_memory_utilization"] = 0.42
     if getattr(args, "max_num_batched_tokens", None) is None:
         base["max_num_batched_tokens"] = max(base["max_num_seqs"], 2048 if args.quick else 8192)
+    if args.nvtx:  # each engine's own option, not a process-wide switch
+        options = base.get("kernel_options")
+        options = KernelOptions() if options is None else KernelOptions.model_validate(options)
+        base["kernel_options"] = options.model_copy(update={"nvtx": True})
     from policy import EngineArgs
 
     return EngineArgs(**base)

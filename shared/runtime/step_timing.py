@@ -9,21 +9,15 @@ enabled (RUNNERLAB_NVTX=1 or `runnerlab ab --nvtx`), so the disabled path adds n
 from __future__ import annotations
 
 import contextlib
-import os
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
 
+from shared.runtime.kernel_options import kernel_options
+
 STAGES = ("preprocess", "forward", "postprocess", "sample")
-
-_NVTX_ENABLED = os.environ.get("RUNNERLAB_NVTX", "0") == "1"
-
-
-def set_nvtx_enabled(enabled: bool) -> None:
-    global _NVTX_ENABLED
-    _NVTX_ENABLED = enabled
 
 
 @dataclass
@@ -74,7 +68,8 @@ class StageTimer:
 
     @contextlib.contextmanager
     def stage(self, name: str) -> Iterator[None]:
-        if _NVTX_ENABLED:
+        nvtx = kernel_options().nvtx  # the engine's (RUNNERLAB_NVTX=1 turns it on)
+        if nvtx:
             torch.cuda.nvtx.range_push(f"{self.prefix}: {name}")
         start = time.perf_counter()
         events = None
@@ -92,5 +87,5 @@ class StageTimer:
                 self.stats._sample_end.record()
             elapsed = (time.perf_counter() - start) * 1e3
             self.stats.stage_ms[name] = self.stats.stage_ms.get(name, 0.0) + elapsed
-            if _NVTX_ENABLED:
+            if nvtx:
                 torch.cuda.nvtx.range_pop()

@@ -40,15 +40,16 @@ INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
+from shared.runtime.kernel_options import kernel_options  # noqa: E402
+
 __all__ = [
     "HAS_CUDA", "INTERPRET", "triton", "tl", "next_power_of_2", "use_pdl", "pdl_launch",
     "pdl_wait_and_release",
 ]
 
 # Programmatic dependent launch (sm_90+): kernels that call gdc_wait() before reading their
-# predecessor's output may be launched while it drains. One switch for every such kernel
-# (benchmarks flip it to measure the difference).
-PDL_ENABLED = True
+# predecessor's output may be launched while it drains. KernelOptions.pdl is the one switch
+# for every such kernel (benchmarks turn it off to measure the difference).
 
 
 def next_power_of_2(n: int) -> int:
@@ -57,7 +58,8 @@ def next_power_of_2(n: int) -> int:
 
 def use_pdl(x: torch.Tensor) -> bool:
     """Launch with launch_pdl=True: a CUDA tensor on sm_90 or newer, outside the interpreter."""
-    return PDL_ENABLED and x.is_cuda and not INTERPRET and _capability(x.device) >= (9, 0)
+    return (x.is_cuda and not INTERPRET and kernel_options().pdl
+            and _capability(x.device) >= (9, 0))
 
 
 def pdl_launch(x: torch.Tensor) -> dict:

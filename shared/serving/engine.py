@@ -21,6 +21,7 @@ import torch
 from shared.contract.outputs import CompletionOutput, RequestOutput
 from shared.contract.sampling_params import SamplingParams, SamplingParamsError
 from shared.contract.step import SchedulerOutput
+from shared.runtime.kernel_options import use_kernel_options
 from shared.serving.request import Request
 from shared.serving.scheduler import Scheduler
 
@@ -54,18 +55,11 @@ class LLMEngine:
         self.max_model_len = config.scheduler_config.max_model_len
         self.vocab_size = config.model_config.vocab_size
         torch.manual_seed(config.load_config.seed)
-
-        start = time.perf_counter()
-        runner_cls = resolve_runner_class(self.decision.runner_class)
-        self.runner = runner_cls(config, self.device)
-        self.runner.load_model()
-        num_blocks = self.runner.determine_num_blocks()
-        self._check_kv_fits_one_request(num_blocks)
-        self.runner.initialize_kv_cache(num_blocks)
-        self.startup_s = time.perf_counter() - start
-        start = time.perf_counter()
-        self.runner.capture_model()
-        self.capture_s = time.perf_counter() - start
+        # This engine's kernel options, installed around its set-up (the graphs captured
+        # here keep them) and around each step (`step`).
+        self.kernel_options = config.kernel_options
+        with use_kernel_options(self.kernel_options):
+            num_blocks = self._set_up_runner(config)
 
         sc, cc = config.scheduler_config, config.cache_config
         self.scheduler = Scheduler(
@@ -95,6 +89,21 @@ class LLMEngine:
         # generation needs, and O(1) per request per step instead of copying every
         # request's whole output on every step.
         self.stream_outputs = True
+
+    def _set_up_runner(self, config: Any) -> int:
+        """Runner, weights, KV cache, CUDA graphs; returns the number of KV blocks."""
+        start = time.perf_counter()
+        runner_cls = resolve_runner_class(self.decision.runner_class)
+        self.runner = runner_cls(config, self.device)
+        self.runner.load_model()
+        num_blocks = self.runner.determine_num_blocks()
+        self._check_kv_fits_one_request(num_blocks)
+        self.runner.initialize_kv_cache(num_blocks)
+        self.startup_s = time.perf_counter() - start
+        start = time.perf_counter()
+        self.runner.capture_model()
+        self.capture_s = time.perf_counter() - start
+        return num_blocks
 
     @classmethod
     def from_engine_args(cls, engine_args: Any) -> LLMEngine:
@@ -252,7 +261,8 @@ class LLMEngine:
         before the exception propagates (`_recover_from_failed_step`), so the next step
         is correct and no request is lost."""
         try:
-            return self._step()
+            with use_kernel_options(self.kernel_options):
+                return self._step()
         except BaseException:
             self._recover_from_failed_step()
             raise

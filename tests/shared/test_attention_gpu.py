@@ -173,14 +173,13 @@ def test_flash_attn_matches_torch():
 
 
 @pytest.mark.parametrize("pdl", [True, False])
-def test_split_merge_is_deterministic_over_graph_replays(pdl, monkeypatch):
+def test_split_merge_is_deterministic_over_graph_replays(pdl, monkeypatch, kernel_opts):
     """Batch 2 x 30k-token decode (64 splits each) captured once and replayed 50 times,
     with and without programmatic dependent launch: every replay gives the bitwise-same
     output (the merge order is fixed, so a partial read before its write was visible is
     the only thing that could differ) and it matches the TORCH oracle."""
-    from shared.runtime import triton_utils
 
-    monkeypatch.setattr(triton_utils, "PDL_ENABLED", pdl)
+    kernel_opts(pdl=pdl)
     num_heads, num_kv_heads, head_dim = 32, 8, 128
     batch = make_batch([1, 1], [30000, 29001], num_heads, num_kv_heads, head_dim, 16,
                        dtype=torch.bfloat16, device="cuda", pad_reqs=0, pad_tokens=0)
@@ -206,14 +205,13 @@ def test_split_merge_is_deterministic_over_graph_replays(pdl, monkeypatch):
 
 
 @pytest.mark.parametrize("pdl", [False, True])
-def test_fused_decode_kv_write_matches_oracle_bf16(pdl, monkeypatch):
+def test_fused_decode_kv_write_matches_oracle_bf16(pdl, monkeypatch, kernel_opts):
     """The uniform-decode kernel (KV write inside) on ragged bf16 decodes up to 30k keys,
     64 splits, replayed from a CUDA graph with and without PDL: output within bf16
     tolerance of write_kv_torch + TORCH, and the cache bit-identical to that write."""
     from shared.attention.decode_attention import decode_attention
-    from shared.runtime import triton_utils
 
-    monkeypatch.setattr(triton_utils, "PDL_ENABLED", pdl)
+    kernel_opts(pdl=pdl)
     seq_lens = [30000, 1, 1025, 16, 17, 4000]
     batch = make_batch([1] * len(seq_lens), seq_lens, 32, 8, 128, 16, dtype=torch.bfloat16,
                        device="cuda", pad_reqs=2, pad_tokens=2)

@@ -55,13 +55,12 @@ def test_long_decode_split_kv(num_splits):
 
 
 @pytest.mark.parametrize("tile_n,min_tiles", [(16, 1), (32, 1), (64, 2)])
-def test_decode_tile_and_split_knobs_fp16(tile_n, min_tiles, monkeypatch):
+def test_decode_tile_and_split_knobs_fp16(tile_n, min_tiles, monkeypatch, kernel_opts):
     # The 16-bit decode kernel with the benchmarks' knobs: keys per tile (one 16-key KV
     # block, two, four) and tiles per split, over splits that are full, partial and empty.
-    from shared.attention import triton_unified_attention as attention
 
-    monkeypatch.setattr(attention, "SINGLE_QUERY_TILE_N", tile_n)
-    monkeypatch.setattr(attention, "MIN_TILES_PER_SPLIT", min_tiles)
+    kernel_opts(attention_tile_n=tile_n)
+    kernel_opts(attention_min_tiles_per_split=min_tiles)
     compare([1, 1, 1], [300, 17, 1], block_size=16, num_splits=8, dtype=torch.float16,
             atol=2e-3, rtol=2e-3, pad_tokens=2)
 

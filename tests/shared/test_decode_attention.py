@@ -11,7 +11,6 @@ import pytest
 import torch
 
 from shared.attention import triton_backend
-from shared.attention import triton_unified_attention as unified
 from shared.attention.decode_attention import decode_attention
 from shared.attention.kv_write import write_kv_torch
 from shared.attention.layer import Attention
@@ -65,10 +64,10 @@ def test_fused_decode_matches_write_then_attend(dtype, tol, num_splits):
 
 
 @pytest.mark.parametrize("tile_n,min_tiles", [(16, 1), (32, 2)])
-def test_fused_decode_with_the_split_knobs_fp16(tile_n, min_tiles, monkeypatch):
+def test_fused_decode_with_the_split_knobs_fp16(tile_n, min_tiles, monkeypatch, kernel_opts):
     # 16-bit inputs take SINGLE_QUERY_TILE_N; the reduce must see the same partition.
-    monkeypatch.setattr(unified, "SINGLE_QUERY_TILE_N", tile_n)
-    monkeypatch.setattr(unified, "MIN_TILES_PER_SPLIT", min_tiles)
+    kernel_opts(attention_tile_n=tile_n)
+    kernel_opts(attention_min_tiles_per_split=min_tiles)
     batch = make_batch([1, 1, 1], [200, 33, 32], 8, 2, 32, 16, dtype=torch.float16,
                        pad_reqs=1, pad_tokens=1)
     key, value = _new_kv(batch, 2, 32)
@@ -83,7 +82,7 @@ def test_fused_decode_with_the_split_knobs_fp16(tile_n, min_tiles, monkeypatch):
     ([1, 4, 1], [40, 9, 3], False),  # mixed: KV write, then attention
 ])
 def test_layer_fuses_the_kv_write_only_for_uniform_decode(query_lens, seq_lens, fused,
-                                                         monkeypatch):
+                                                         monkeypatch, kernel_opts):
     num_heads, num_kv_heads, head_dim = 4, 2, 32
     batch = make_batch(query_lens, seq_lens, num_heads, num_kv_heads, head_dim, 8,
                        pad_reqs=1, pad_tokens=2)
@@ -91,7 +90,7 @@ def test_layer_fuses_the_kv_write_only_for_uniform_decode(query_lens, seq_lens, 
     want, want_k, want_v = _oracle(batch, key, value, num_heads, head_dim, num_kv_heads)
 
     calls = []
-    monkeypatch.setattr(triton_backend, "FUSED_DECODE_KV_WRITE", "always")
+    kernel_opts(fused_decode_kv_write="always")
     monkeypatch.setattr("shared.attention.layer.write_kv",
                         lambda *a: (calls.append("write_kv"), write_kv_torch(*a)))
     layer = Attention(num_heads, head_dim, num_kv_heads, head_dim**-0.5, "layer.0")
@@ -115,8 +114,8 @@ def test_layer_fuses_the_kv_write_only_for_uniform_decode(query_lens, seq_lens, 
     ("always", 132, 64, 8, True),
 ])
 def test_when_the_kv_write_is_fused(setting, num_sms, padded_rows, num_kv_heads, fused,
-                                    monkeypatch):
-    monkeypatch.setattr(triton_backend, "FUSED_DECODE_KV_WRITE", setting)
+                                    monkeypatch, kernel_opts):
+    kernel_opts(fused_decode_kv_write=setting)
     monkeypatch.setattr(triton_backend, "_num_sms", lambda device: num_sms)
     batch = make_batch([1] * 3, [5, 9, 2], 4 * num_kv_heads, num_kv_heads, 32, 8,
                        pad_reqs=padded_rows - 3)
@@ -130,11 +129,10 @@ def test_when_the_kv_write_is_fused(setting, num_sms, padded_rows, num_kv_heads,
 
 @pytest.mark.parametrize("preload", [True, False])
 @pytest.mark.parametrize("num_splits", [1, 4])
-def test_fused_decode_with_and_without_the_preloaded_tile(preload, num_splits, monkeypatch):
+def test_fused_decode_with_and_without_the_preloaded_tile(preload, num_splits, monkeypatch, kernel_opts):
     # Both kernel variants, whatever preload_first_tile's rule would pick.
-    from shared.attention import decode_attention as module
 
-    monkeypatch.setattr(module, "PRELOAD_FIRST_TILE", preload)
+    kernel_opts(decode_attention_preload=preload)
     batch = make_batch([1, 1, 1], [150, 2, 33], 4, 2, 32, 16, pad_reqs=1, pad_tokens=1)
     key, value = _new_kv(batch, 2, 32)
     want, want_k, want_v = _oracle(batch, key, value, 4, 32, 2)

@@ -15,6 +15,7 @@ import torch
 from shared.model import load_model
 from shared.model.kernels import fused_ops
 from shared.model.layers import RMSNorm, RotaryEmbedding, silu_and_mul
+from shared.runtime.kernel_options import kernel_options
 from tests.shared.test_model_hf import CONFIGS, PagedHarness
 
 ROPE_PARAMS = {"rope_type": "default", "rope_theta": 10000.0}
@@ -32,9 +33,9 @@ def _norm(size: int, eps: float, dtype, device, seed: int) -> RMSNorm:
 
 
 @pytest.fixture
-def torch_path(monkeypatch):
+def torch_path(monkeypatch, kernel_opts):
     """Force the PyTorch path (the oracle) whatever the device."""
-    monkeypatch.setattr(fused_ops, "FUSED_ENABLED", False)
+    kernel_opts(fused_ops=False)
 
 
 # ---------------------------------------------------------------------------------------
@@ -189,7 +190,7 @@ def _run_two_steps(model) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("name", ["llama", "qwen3-tied", "mixtral"])
-def test_model_fused_dispatch_matches_torch_path(name, monkeypatch):
+def test_model_fused_dispatch_matches_torch_path(name, monkeypatch, kernel_opts):
     """Forcing the fused kernels on CPU (interpreter) checks the wiring: the fused
     residual pattern, q/k/v as strided views of qkv through Attention, the MoE expert
     activation. float32, two ragged steps through the paged cache."""
@@ -200,12 +201,12 @@ def test_model_fused_dispatch_matches_torch_path(name, monkeypatch):
 
     def forced(x):
         calls.append(real(x))
-        return fused_ops.FUSED_ENABLED
+        return kernel_options().fused_ops
 
     monkeypatch.setattr(fused_ops, "use_fused", forced)
-    monkeypatch.setattr(fused_ops, "FUSED_ENABLED", False)
+    kernel_opts(fused_ops=False)
     ref = _run_two_steps(model)
-    monkeypatch.setattr(fused_ops, "FUSED_ENABLED", True)
+    kernel_opts(fused_ops=True)
     got = _run_two_steps(model)
     assert calls and not any(calls)  # on CPU the real rule says "torch path"
     torch.testing.assert_close(got, ref, rtol=0, atol=2e-5)
@@ -274,7 +275,7 @@ def test_gpu_silu_and_mul(inter, dtype, torch_path):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", GPU_DTYPES)
-def test_gpu_qwen3_model_fused_vs_torch(dtype, monkeypatch, record_property):
+def test_gpu_qwen3_model_fused_vs_torch(dtype, monkeypatch, record_property, kernel_opts):
     """A 2-layer Qwen3-0.6B-shaped model (hidden 1024, 16/8 heads of 128, q/k norm) on
     CUDA: fused kernels vs the PyTorch path, two ragged steps through the paged cache."""
     from transformers import Qwen3Config
@@ -286,9 +287,9 @@ def test_gpu_qwen3_model_fused_vs_torch(dtype, monkeypatch, record_property):
     )
     model = load_model(cfg, load_format="dummy", dtype=dtype, device="cuda", seed=0)
     _randomise_norms(model)
-    monkeypatch.setattr(fused_ops, "FUSED_ENABLED", False)
+    kernel_opts(fused_ops=False)
     ref = _run_two_steps(model).float()
-    monkeypatch.setattr(fused_ops, "FUSED_ENABLED", True)
+    kernel_opts(fused_ops=True)
     got = _run_two_steps(model).float()
     diff = (got - ref).abs().max().item()
     record_property("max_abs_logit_diff", diff)

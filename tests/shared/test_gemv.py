@@ -18,7 +18,7 @@ from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 from shared.model import load_model
 from shared.model.kernels import fused_ops, gemv
 from shared.model.layers import RotaryEmbedding
-from shared.runtime import triton_utils
+from shared.runtime.kernel_options import kernel_options
 from tests.shared.test_fused_ops import _randomise_norms
 from tests.shared.test_model_hf import CONFIGS, PagedHarness
 
@@ -47,12 +47,10 @@ def _rope_ref(qkv, positions, cos_sin, num_heads, num_kv_heads, head_dim):
     return torch.cat([q.reshape(m, -1), k.reshape(m, -1), v], dim=-1)
 
 
-# (BLOCK_N, BLOCK_K, warps, stages, kernel[, preload]): partial row/col tiles, all four
-# kernels (0 FMA, 1 dot, 2 and 3 double- and triple-buffered FMA: one token row, more rows
-# fall back to 0)
+# (BLOCK_N, BLOCK_K, warps, stages, kernel[, 1]): partial row/col tiles, all three
+# kernels (0 FMA, 1 dot, 2 double-buffered FMA: one token row, more rows fall back to 0)
 CONFIGS_SMALL = [(8, 128, 4, 2, 0), (4, 64, 2, 3, 0), (16, 512, 4, 2, 0), (16, 64, 4, 2, 1),
-                 (32, 128, 4, 2, 1), (8, 64, 4, 1, 2), (4, 128, 2, 1, 2), (16, 64, 4, 2, 1, 0),
-                 (8, 64, 4, 1, 3)]
+                 (32, 128, 4, 2, 1), (8, 64, 4, 1, 2), (4, 128, 2, 1, 2), (16, 64, 4, 2, 1, 1)]
 
 
 @pytest.mark.parametrize("m", [1, 3, 17])
@@ -106,12 +104,10 @@ def test_rope_epilogue_matches_transformers(head_dim, config):
     assert not torch.allclose(got, qkv, atol=1e-3)  # the rotation did something
 
 
-@pytest.mark.parametrize("config", [(8, 64, 4, 1, 2), (4, 128, 4, 1, 2), (16, 32, 2, 1, 2),
-                                    (8, 64, 4, 1, 3), (4, 32, 4, 1, 3, 0), (16, 128, 2, 1, 3)])
+@pytest.mark.parametrize("config", [(8, 64, 4, 1, 2), (4, 128, 4, 1, 2), (16, 32, 2, 1, 2)])
 def test_buffered_fma_one_token(config):
-    """Kernels 2 and 3 (one token row) against independent oracles for every epilogue, on
-    a K that leaves a partial last tile (so the steps past the end load nothing); with
-    BLOCK_K 128 kernel 3's second tile is already past K."""
+    """Kernel 2 (one token row) against independent oracles for every epilogue, on a K
+    that leaves a partial last tile (so the steps past the end load nothing)."""
     k, eps, head_dim, num_heads, num_kv_heads = 300, 1e-5, 16, 4, 2
     x, g = _randn(1, k, seed=20, scale=2.0), 1.0 + 0.2 * _randn(k, seed=21)
     w, r = _randn(70, k, seed=22, scale=0.1), _randn(1, 70, seed=23)
@@ -132,15 +128,15 @@ def test_buffered_fma_one_token(config):
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
 
 
-def test_dispatch_rule(monkeypatch):
+def test_dispatch_rule(monkeypatch, kernel_opts):
     x = torch.zeros(1, 8)
     assert not gemv.use_gemv(x)  # CPU: never
     monkeypatch.setattr(fused_ops, "use_fused", lambda t: True)
     assert gemv.use_gemv(x)
-    assert not gemv.use_gemv(torch.zeros(gemv.MAX_TOKENS + 1, 8))
+    assert not gemv.use_gemv(torch.zeros(kernel_options().gemv_max_tokens + 1, 8))
     assert not gemv.use_gemv(torch.zeros(0, 8))
     assert not gemv.use_gemv(x.double())
-    monkeypatch.setattr(gemv, "ENABLED", False)
+    kernel_opts(gemv=False)
     assert not gemv.use_gemv(x)
 
 
@@ -155,12 +151,12 @@ def _prefill_then_decodes(model) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("name", ["llama", "qwen2", "qwen3-tied", "mixtral"])
-def test_model_gemv_path_matches_torch_path(name, monkeypatch):
+def test_model_gemv_path_matches_torch_path(name, monkeypatch, kernel_opts):
     model = load_model(CONFIGS[name](), load_format="dummy", dtype=torch.float32, device="cpu")
     _randomise_norms(model)
-    monkeypatch.setattr(fused_ops, "FUSED_ENABLED", False)
+    kernel_opts(fused_ops=False)
     ref = _prefill_then_decodes(model)
-    monkeypatch.setattr(fused_ops, "FUSED_ENABLED", True)
+    kernel_opts(fused_ops=True)
     monkeypatch.setattr(fused_ops, "use_fused", lambda t: True)  # CPU: interpreter
     calls = []
     real = gemv.gemv
@@ -235,13 +231,22 @@ def test_gpu_dot_kernel_tokens(m, epilogue):
     torch.testing.assert_close(got.float(), ref, rtol=2e-2, atol=2e-2)
 
 
+@pytest.mark.parametrize("config", [(8, 64, 4, 1, 3), (16, 64, 4, 2, 1, 0)])
+def test_removed_variants_are_refused(config):
+    """The triple-buffered FMA kernel (3) and the wait-before-the-first-tile variant
+    (sixth field 0) were removed: a config naming them is an error, not a silent fallback."""
+    x, w = _randn(1, 128, seed=1), _randn(16, 128, seed=2)
+    with pytest.raises(ValueError, match="removed variants"):
+        gemv.gemv(x, w, config=config)
+
+
 def test_config_table_is_well_formed():
     """The committed launch table (written by scripts/bench_gemv.py): every entry names a
     real key and a runnable config shape; the llama-3-8b decode shapes are all tuned."""
     table = gemv._config_table("NVIDIA H200")
     for key, cfg in table.items():
         assert len(cfg) in (5, 6) and cfg[0] >= 1 and cfg[1] >= 16, (key, cfg)
-        assert cfg[4] in (0, 1, 2, 3) and (len(cfg) == 5 or cfg[5] in (0, 1)), (key, cfg)
+        assert cfg[4] in (0, 1, 2) and (len(cfg) == 5 or cfg[5] == 1), (key, cfg)
         assert cfg[4] != 1 or cfg[0] >= 16, (key, cfg)  # tl.dot's smallest tile
     bf16 = torch.bfloat16
     for key in [gemv.config_key("rope", True, 6144, 4096, 1, bf16),
@@ -253,7 +258,7 @@ def test_config_table_is_well_formed():
 
 
 @pytest.mark.gpu
-def test_gpu_pdl_chain_in_a_graph_matches_plain_launches(monkeypatch):
+def test_gpu_pdl_chain_in_a_graph_matches_plain_launches(monkeypatch, kernel_opts):
     """A layer's four GEMVs (each reading the previous one's output) captured in a CUDA
     graph with programmatic dependent launch give bit-identical results to ordinary
     launches: gdc_wait orders every read of x and residual after the producer."""
@@ -274,7 +279,7 @@ def test_gpu_pdl_chain_in_a_graph_matches_plain_launches(monkeypatch):
 
     results = {}
     for pdl in (False, True):
-        monkeypatch.setattr(triton_utils, "PDL_ENABLED", pdl)
+        kernel_opts(pdl=pdl)
         layer()
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()

@@ -12,24 +12,23 @@ in float32, or float64 for a float64 model; round to the model dtype where the t
 rounds), so the two paths agree to rounding. Grids depend on the token count only and
 nothing is read back to the host, so every launch is CUDA-graph capturable.
 
-`FUSED_ENABLED = False` forces the PyTorch path on CUDA too (tests compare the two).
+KernelOptions.fused_ops = False forces the PyTorch path on CUDA too (tests compare the two).
 """
 
 from __future__ import annotations
 
 import torch
 
+from shared.runtime.kernel_options import kernel_options
 from shared.runtime.triton_utils import next_power_of_2, tl, triton
-
-# Module switch read by the layers at every call: True = Triton kernels on CUDA tensors.
-FUSED_ENABLED = True
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
 def use_fused(x: torch.Tensor) -> bool:
-    """The dispatch rule: fused Triton kernels for CUDA tensors, PyTorch elsewhere."""
-    return x.is_cuda and FUSED_ENABLED
+    """The dispatch rule: fused Triton kernels for CUDA tensors (unless the engine's
+    KernelOptions turn them off), PyTorch elsewhere."""
+    return x.is_cuda and kernel_options().fused_ops
 
 
 def _compute_dtype(dtype: torch.dtype):

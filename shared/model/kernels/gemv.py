@@ -5,18 +5,17 @@ one activation row. On the H200, cuBLAS streams the small llama-3-8b matrices (q
 o_proj) at 61-77% of the read bandwidth and splits K behind an extra reduction kernel,
 and each of the decoder's ~13 kernels per layer pays launch latency and a tail. Here a
 program owns BLOCK_N output rows over the whole of K (each weight row read once, no
-split-K), with FMAs (kernel 0), FMAs over a register double or triple buffer (kernels 2
-and 3, one token row) or a tensor-core dot against the token rows padded to 16 (kernel
+split-K), with FMAs (kernel 0), FMAs over a register double buffer (kernel 2, one token
+row) or a tensor-core dot against the token rows padded to 16 (kernel
 1); the table below picks per shape. Their sm_90 code, compiled with the 16-byte pointer
 alignment a launch specialises on: the dot kernel streams the weights through a
 num_stages-deep shared-memory pipeline (cp.async); the FMA kernels use 16-byte vector
 loads straight to registers (Triton does not software-pipeline them), so kernel 0 gets its
-bandwidth from many programs in flight, and kernels 2 and 3 also from issuing the loads
-of tile k + 1 (k + 2) before they multiply tile k: on the H200, kernel 2 streams llama's
-down_proj at 94% of the read bandwidth against 89% for the best single-buffered config.
-None uses TMA. Under PDL a program loads its first weight tile before it waits for the
-previous kernel, unless its config says not to (preload 0). The ops around a
-GEMV ride along in its prologue or epilogue:
+bandwidth from many programs in flight, and kernel 2 also from issuing the loads of tile
+k + 1 before it multiplies tile k (on the H200 it streams llama's down_proj faster than the
+best single-buffered config: docs/results). None uses TMA. Under PDL a program loads its
+first weight tile before it waits for the previous kernel. Weight loads are evict-first
+(gemv_tiles.weight_tile). The ops around a GEMV ride along in its prologue or epilogue:
 
 - NORM prologue: RMSNorm of the input, folded into the dot product:
   y = rstd * sum_k W[n, k] * (x_k * g_k), with sum_k x_k^2 accumulated in the same pass,
@@ -34,8 +33,10 @@ and nothing is read back to the host: CUDA-graph capturable. The launch configur
 scripts/bench_gemv.py (each shape alone), then for llama-3-8b's four layer GEMVs by
 scripts/tune_gemv_in_step.py (inside the decode step; bench_gemv_variants.py, which times
 them in a chain, can write too): measured, not guessed; shapes it lacks get a default.
-A config is (BLOCK_N, BLOCK_K, num_warps, num_stages[, kernel[, preload]]), kernel 0 by
-default and preload 1.
+A config is (BLOCK_N, BLOCK_K, num_warps, num_stages[, kernel[, 1]]), kernel 0 by
+default; the sixth field, kept for the table's format, is always 1 (preload; the variant
+that waited before its first tile was removed, as were the triple-buffered FMA kernel 3
+and the other weight-load cache hints: docs/journal has their measurements).
 """
 
 from __future__ import annotations
@@ -58,35 +59,28 @@ from shared.model.kernels.gemv_tiles import (
     x_tile_dot,
     x_tile_fma,
 )
-from shared.runtime.triton_utils import pdl_launch, pdl_wait_and_release, tl, triton
+from shared.runtime.kernel_options import kernel_options
+from shared.runtime.triton_utils import pdl_launch, tl, triton
 
-# Token counts up to this take the GEMV path. Measured (docs/results, h200_gemv.log): with
-# the M=1 configs a layer's fused GEMVs are only 1-3% faster than cuBLAS + separate kernels
-# at 2-8 rows and 10% slower at 16, so one row (batch-1 decode) is where they pay.
-MAX_TOKENS = 1
-# Module switch (benchmarks and tests flip it): False = cuBLAS + separate kernels.
-ENABLED = True
+# KernelOptions.gemv_max_tokens (default 1): token counts up to it take the GEMV path. With
+# the M=1 configs a layer's fused GEMVs gain little over cuBLAS + separate kernels at 2-8
+# rows and lose at 16 (docs/results, h200_gemv.log), so one row (batch-1 decode) is where
+# they pay. KernelOptions.gemv = False: cuBLAS + separate kernels.
 
 _EPILOGUES = {"none": 0, "residual": 1, "silu": 2, "rope": 3}
 _CONFIG_FILE = Path(__file__).with_name("gemv_configs.json")
 # (BLOCK_N, BLOCK_K, num_warps, num_stages, kernel) when the table has no entry
 _DEFAULT_CONFIG = (16, 512, 4, 3, 0)
-# The weight loads' cache hint (see gemv_tiles.weight_tile): 0 none, 1 evict-first,
-# 2 L2 only. Evict-first measured 0.03 ms faster per llama-3-8b batch-1 step on the H200
-# (h200_decode_llama3_8b_weight_hint.json: 3.995 against 4.024 ms; L2 only: 4.019).
-WEIGHT_LOAD_HINT = 1
-# Benchmarks set entries (config_key -> config) to run a shape with another config than
-# the table's, e.g. the table a result was measured with before.
-CONFIG_OVERRIDES: dict[str, tuple] = {}
 
 
 def use_gemv(x: torch.Tensor) -> bool:
-    """The dispatch rule: CUDA, fused kernels on, at most MAX_TOKENS rows, a float type
-    the kernels reduce in float32."""
+    """The dispatch rule: CUDA, fused kernels and GEMVs on, at most gemv_max_tokens rows
+    (the engine's KernelOptions), a float type the kernels reduce in float32."""
+    options = kernel_options()
     return (
-        ENABLED
+        options.gemv
         and fused_ops.use_fused(x)
-        and 0 < x.shape[0] <= MAX_TOKENS
+        and 0 < x.shape[0] <= options.gemv_max_tokens
         and x.dtype in (torch.bfloat16, torch.float16, torch.float32)
     )
 
@@ -117,9 +111,7 @@ def _gemv_kernel(
     HEAD_DIM: tl.constexpr,  # ROPE only
     NUM_ROPE_HEADS: tl.constexpr,  # ROPE: q + k heads (rotated); the v heads after are not
     USE_PDL: tl.constexpr = False,  # launched with programmatic dependent launch (sm_90+)
-    PRELOAD: tl.constexpr = True,  # USE_PDL: load the first weight tile before the wait
-    FMA_DEPTH: tl.constexpr = 0,  # FMA, M = 1: 2 or 3 weight tiles in flight (else 1)
-    HINT: tl.constexpr = 0,  # the weight loads' cache hint (WEIGHT_LOAD_HINT)
+    BUFFERED_FMA: tl.constexpr = False,  # FMA, M = 1: two weight tiles in flight
 ):
     rows_a, rows_b, row_mask, head, dims = program_rows(
         tl.program_id(0), N_OUT, BLOCK_N, EPILOGUE, HEAD_DIM)
@@ -133,12 +125,10 @@ def _gemv_kernel(
         acc_b = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
         sum_sq = tl.zeros([BLOCK_M], dtype=tl.float32)
         start = 0
-        if USE_PDL and not PRELOAD:
-            pdl_wait_and_release()
-        if USE_PDL and PRELOAD:
+        if USE_PDL:
             # The loop's first step, with the weight load moved ahead of the PDL wait.
             cols, col_mask, wa, wb = first_weights_then_wait(w_a, w_b, row_mask, K, BLOCK_K,
-                                                             PAIRED, HINT)
+                                                             PAIRED)
             xt, sum_sq = x_tile_dot(x_ptr, w_ptr, norm_w_ptr, offs_m, stride_x, cols,
                                     col_mask, sum_sq, M, HAS_NORM)
             acc_a = dot_acc(wa, xt, acc_a, IEEE)
@@ -150,9 +140,9 @@ def _gemv_kernel(
             col_mask = cols < K
             xt, sum_sq = x_tile_dot(x_ptr, w_ptr, norm_w_ptr, offs_m, stride_x, cols,
                                     col_mask, sum_sq, M, HAS_NORM)
-            acc_a = dot_acc(weight_tile(w_a, cols, row_mask, col_mask, HINT), xt, acc_a, IEEE)
+            acc_a = dot_acc(weight_tile(w_a, cols, row_mask, col_mask), xt, acc_a, IEEE)
             if PAIRED:
-                acc_b = dot_acc(weight_tile(w_b, cols, row_mask, col_mask, HINT), xt, acc_b,
+                acc_b = dot_acc(weight_tile(w_b, cols, row_mask, col_mask), xt, acc_b,
                                 IEEE)
         if HAS_NORM:
             rstd = tl.math.rsqrt(sum_sq / K + eps)
@@ -166,11 +156,11 @@ def _gemv_kernel(
                            bias_ptr, residual_ptr, out_ptr, positions_ptr, cos_sin_ptr,
                            stride_r, stride_o, stride_cs,
                            HAS_BIAS, EPILOGUE, HEAD_DIM, NUM_ROPE_HEADS)
-    elif FMA_DEPTH > 1:
+    elif BUFFERED_FMA:
         fma_buffered(x_ptr, w_a, w_b, norm_w_ptr, bias_ptr, residual_ptr, out_ptr,
                      positions_ptr, cos_sin_ptr, rows_a, rows_b, row_mask, head, dims,
-                     stride_r, stride_o, stride_cs, eps, K, BLOCK_K, FMA_DEPTH, HAS_BIAS,
-                     HAS_NORM, EPILOGUE, HEAD_DIM, NUM_ROPE_HEADS, USE_PDL, PRELOAD, HINT)
+                     stride_r, stride_o, stride_cs, eps, K, BLOCK_K, HAS_BIAS,
+                     HAS_NORM, EPILOGUE, HEAD_DIM, NUM_ROPE_HEADS, USE_PDL)
     else:
         # FMAs per token: the weight tile is re-read (from L2) for every token after the
         # first, so this is for M = 1.
@@ -180,11 +170,9 @@ def _gemv_kernel(
             sum_sq = tl.zeros([BLOCK_K], dtype=tl.float32)
             x_row = x_ptr + m * stride_x
             start = 0
-            if USE_PDL and m == 0 and not PRELOAD:
-                pdl_wait_and_release()
-            if USE_PDL and m == 0 and PRELOAD:  # see the dot branch
+            if USE_PDL and m == 0:  # see the dot branch
                 cols, col_mask, wa, wb = first_weights_then_wait(w_a, w_b, row_mask, K,
-                                                                 BLOCK_K, PAIRED, HINT)
+                                                                 BLOCK_K, PAIRED)
                 x, sum_sq = x_tile_fma(x_row, norm_w_ptr, cols, col_mask, sum_sq, HAS_NORM)
                 acc_a += wa.to(tl.float32) * x[None, :]
                 if PAIRED:
@@ -194,10 +182,10 @@ def _gemv_kernel(
                 cols = k0 + tl.arange(0, BLOCK_K)
                 col_mask = cols < K
                 x, sum_sq = x_tile_fma(x_row, norm_w_ptr, cols, col_mask, sum_sq, HAS_NORM)
-                acc_a += (weight_tile(w_a, cols, row_mask, col_mask, HINT).to(tl.float32)
+                acc_a += (weight_tile(w_a, cols, row_mask, col_mask).to(tl.float32)
                           * x[None, :])
                 if PAIRED:
-                    acc_b += (weight_tile(w_b, cols, row_mask, col_mask, HINT).to(tl.float32)
+                    acc_b += (weight_tile(w_b, cols, row_mask, col_mask).to(tl.float32)
                               * x[None, :])
             y_a, y_b = fma_row_sums(acc_a, acc_b, sum_sq, eps, K, HAS_NORM)
             apply_epilogue(y_a, y_b, m, rows_a, rows_b, row_mask, head, dims,
@@ -226,17 +214,22 @@ def config_key(epilogue: str, has_norm: bool, rows: int, k: int, m: int,
 
 
 def _config_for(x: torch.Tensor, key: str, override) -> tuple[int, int, int, int, int, int]:
+    if override is None:
+        override = kernel_options().gemv_config(key)  # a benchmark's or tuner's choice
     if override is not None:
         config = tuple(override)
-    elif key in CONFIG_OVERRIDES:
-        config = tuple(CONFIG_OVERRIDES[key])
     elif not x.is_cuda:
         config = _DEFAULT_CONFIG
     else:
         table = _config_table(_device_name(x.device.index or 0))
         config = tuple(table.get(key, _DEFAULT_CONFIG))
     config = config + (0,) * (5 - len(config))  # 4-tuples: the FMA kernel
-    return config + (1,) * (6 - len(config))  # preload by default
+    config = config + (1,) * (6 - len(config))
+    if config[4] not in (0, 1, 2) or config[5] != 1:
+        raise ValueError(f"GEMV config {config} for {key}: kernel must be 0 (FMA), 1 (dot) or "
+                         "2 (double-buffered FMA) and the sixth field 1 (the removed variants: "
+                         "kernel 3, preload 0)")
+    return config
 
 
 def gemv(
@@ -252,7 +245,7 @@ def gemv(
     cos_sin_cache: torch.Tensor | None = None,  # [max_position, head_dim] (ROPE)
     head_dim: int = 0,  # ROPE
     num_rope_heads: int = 0,  # ROPE: leading heads to rotate (q and k)
-    config: tuple | None = None,  # (BLOCK_N, BLOCK_K, warps, stages[, kernel[, preload]])
+    config: tuple | None = None,  # (BLOCK_N, BLOCK_K, warps, stages[, kernel[, 1]])
 ) -> torch.Tensor:
     """out = epilogue(norm?(x) @ weight.T + bias): [M, rows], or [M, rows / 2] for SILU.
     One launch."""
@@ -268,10 +261,9 @@ def gemv(
     if num_tokens == 0:
         return out
     key = config_key(epilogue, norm_weight is not None, rows, k, num_tokens, x.dtype)
-    block_n, block_k, num_warps, num_stages, kernel, preload = _config_for(x, key, config)
+    block_n, block_k, num_warps, num_stages, kernel, _ = _config_for(x, key, config)
     use_dot = kernel == 1
-    # kernels 2 and 3: that many weight tiles in flight, one token row only
-    fma_depth = kernel if kernel in (2, 3) and num_tokens == 1 else 0
+    buffered_fma = kernel == 2 and num_tokens == 1  # two weight tiles in flight, one row
     if use_dot:
         block_n = max(block_n, 16)  # tl.dot's smallest tile
     if epilogue == "rope":
@@ -299,7 +291,7 @@ def gemv(
         0 if cos_sin_cache is None else cos_sin_cache.stride(0),
         eps,
         K=k, M=num_tokens, BLOCK_N=block_n, BLOCK_K=block_k, USE_DOT=use_dot,
-        FMA_DEPTH=fma_depth, PRELOAD=bool(preload), HINT=WEIGHT_LOAD_HINT,
+        BUFFERED_FMA=buffered_fma,
         BLOCK_M=max(16, triton.next_power_of_2(num_tokens)), IEEE=x.dtype == torch.float32,
         HAS_BIAS=bias is not None, HAS_NORM=norm_weight is not None,
         EPILOGUE=_EPILOGUES[epilogue], HEAD_DIM=head_dim, NUM_ROPE_HEADS=num_rope_heads,

@@ -70,39 +70,30 @@ def apply_epilogue(y_a, y_b, m, rows_a, rows_b, row_mask, head, dims,
 def fma_buffered(x_ptr, w_a, w_b, norm_w_ptr, bias_ptr, residual_ptr, out_ptr,
                  positions_ptr, cos_sin_ptr, rows_a, rows_b, row_mask, head, dims,
                  stride_r, stride_o, stride_cs, eps, K: tl.constexpr, BLOCK_K: tl.constexpr,
-                 DEPTH: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_NORM: tl.constexpr,
+                 HAS_BIAS: tl.constexpr, HAS_NORM: tl.constexpr,
                  EPILOGUE: tl.constexpr, HEAD_DIM: tl.constexpr,
-                 NUM_ROPE_HEADS: tl.constexpr, USE_PDL: tl.constexpr, PRELOAD: tl.constexpr,
-                 HINT: tl.constexpr = 0):
-    """The FMA kernel for one token with DEPTH (2 or 3) weight tiles in registers: each
-    step issues the loads of tile k + DEPTH - 1 before it multiplies tile k, so a program
-    keeps DEPTH tiles in flight (the FMA loop is not software-pipelined: nothing of it goes
-    through shared memory). Steps past the last tile load nothing (all masked)."""
+                 NUM_ROPE_HEADS: tl.constexpr, USE_PDL: tl.constexpr):
+    """The FMA kernel for one token with two weight tiles in registers: each step issues
+    the loads of tile k + 1 before it multiplies tile k, so a program keeps two tiles in
+    flight (the FMA loop is not software-pipelined: nothing of it goes through shared
+    memory). The first tile is loaded before the PDL wait. Steps past the last tile load
+    nothing (all masked)."""
     PAIRED: tl.constexpr = EPILOGUE >= 2
     BLOCK_N: tl.constexpr = rows_a.shape[0]
-    if USE_PDL and not PRELOAD:
+    wa, wb = weight_tiles(w_a, w_b, 0, row_mask, K, BLOCK_K, PAIRED)
+    if USE_PDL:
         pdl_wait_and_release()
-    wa, wb = weight_tiles(w_a, w_b, 0, row_mask, K, BLOCK_K, PAIRED, HINT)
-    if USE_PDL and PRELOAD:
-        pdl_wait_and_release()
-    wa1, wb1 = wa, wb  # DEPTH 3: tile 1 (loaded after the wait: one tile crosses it)
-    if DEPTH == 3:
-        wa1, wb1 = weight_tiles(w_a, w_b, BLOCK_K, row_mask, K, BLOCK_K, PAIRED, HINT)
     acc_a = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     acc_b = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     sum_sq = tl.zeros([BLOCK_K], dtype=tl.float32)
-    AHEAD: tl.constexpr = (DEPTH - 1) * BLOCK_K
-    for k0 in range(AHEAD, K + AHEAD, BLOCK_K):
-        wa_next, wb_next = weight_tiles(w_a, w_b, k0, row_mask, K, BLOCK_K, PAIRED, HINT)
-        cols = k0 - AHEAD + tl.arange(0, BLOCK_K)
+    for k0 in range(BLOCK_K, K + BLOCK_K, BLOCK_K):
+        wa_next, wb_next = weight_tiles(w_a, w_b, k0, row_mask, K, BLOCK_K, PAIRED)
+        cols = k0 - BLOCK_K + tl.arange(0, BLOCK_K)
         x, sum_sq = x_tile_fma(x_ptr, norm_w_ptr, cols, cols < K, sum_sq, HAS_NORM)
         acc_a += wa.to(tl.float32) * x[None, :]
         if PAIRED:
             acc_b += wb.to(tl.float32) * x[None, :]
-        if DEPTH == 3:
-            wa, wb, wa1, wb1 = wa1, wb1, wa_next, wb_next
-        else:
-            wa, wb = wa_next, wb_next
+        wa, wb = wa_next, wb_next
     y_a, y_b = fma_row_sums(acc_a, acc_b, sum_sq, eps, K, HAS_NORM)
     apply_epilogue(y_a, y_b, 0, rows_a, rows_b, row_mask, head, dims,
                    bias_ptr, residual_ptr, out_ptr, positions_ptr, cos_sin_ptr,
@@ -124,43 +115,38 @@ def fma_row_sums(acc_a, acc_b, sum_sq, eps, K: tl.constexpr, HAS_NORM: tl.conste
 
 @triton.jit
 def weight_tiles(w_a, w_b, k0, row_mask, K: tl.constexpr, BLOCK_K: tl.constexpr,
-                 PAIRED: tl.constexpr, HINT: tl.constexpr = 0):
+                 PAIRED: tl.constexpr):
     """Columns [k0, k0 + BLOCK_K) of the program's rows (wb is wa when not PAIRED)."""
     cols = k0 + tl.arange(0, BLOCK_K)
     col_mask = cols < K
-    wa = weight_tile(w_a, cols, row_mask, col_mask, HINT)
+    wa = weight_tile(w_a, cols, row_mask, col_mask)
     wb = wa
     if PAIRED:
-        wb = weight_tile(w_b, cols, row_mask, col_mask, HINT)
+        wb = weight_tile(w_b, cols, row_mask, col_mask)
     return wa, wb
 
 
 @triton.jit
 def first_weights_then_wait(w_a, w_b, row_mask, K: tl.constexpr, BLOCK_K: tl.constexpr,
-                            PAIRED: tl.constexpr, HINT: tl.constexpr = 0):
+                            PAIRED: tl.constexpr):
     """Under PDL: the first K tile of the weights (they never depend on the kernel before),
     then the wait for that kernel's output. Returns the tile's columns, their mask and the
     weight tiles (wb is wa when not PAIRED)."""
-    wa, wb = weight_tiles(w_a, w_b, 0, row_mask, K, BLOCK_K, PAIRED, HINT)
+    wa, wb = weight_tiles(w_a, w_b, 0, row_mask, K, BLOCK_K, PAIRED)
     pdl_wait_and_release()
     cols = tl.arange(0, BLOCK_K)
     return cols, cols < K, wa, wb
 
 
 @triton.jit
-def weight_tile(w_rows, cols, row_mask, col_mask, HINT: tl.constexpr = 0):
+def weight_tile(w_rows, cols, row_mask, col_mask):
     """[BLOCK_N, len(cols)] of the weight: w_rows points at each row's first element.
-    HINT (WEIGHT_LOAD_HINT): 0 none; 1 evict-first from L2 (a weight is read once per
-    step, so it should not push out the activations, partials and KV that the next
-    kernels read back); 2 cached in L2 only (.cg). (".cs", read-once streaming, is not
-    accepted by the GPU machine's Triton 3.6.)"""
+    Loaded evict-first from L2: a weight is read once per step, so it should not push out
+    the activations, partials and KV that the next kernels read back (on the H200 this beat
+    no hint and L2-only .cg loads in the llama-3-8b batch-1 step:
+    h200_decode_llama3_8b_weight_hint.json)."""
     mask = row_mask[:, None] & col_mask[None, :]
-    if HINT == 1:
-        return tl.load(w_rows + cols[None, :], mask=mask, other=0.0,
-                       eviction_policy="evict_first")
-    if HINT == 2:
-        return tl.load(w_rows + cols[None, :], mask=mask, other=0.0, cache_modifier=".cg")
-    return tl.load(w_rows + cols[None, :], mask=mask, other=0.0)
+    return tl.load(w_rows + cols[None, :], mask=mask, other=0.0, eviction_policy="evict_first")
 
 @triton.jit
 def x_tile_fma(x_row, norm_w_ptr, cols, col_mask, sum_sq, HAS_NORM: tl.constexpr):

@@ -1,0 +1,57 @@
+"""KernelOptions: how the CUDA kernels are chosen and launched, one frozen record per engine.
+
+Every option that used to be a module-level switch of a kernel file lives here, so two
+engines in one process (`runnerlab ab` holds two) can differ, a benchmark builds an
+engine with the options it measures instead of patching modules, and a captured CUDA
+graph holds exactly the options of the engine that captured it. The engine installs its
+options around each of its steps and its set-up (shared.runtime.kernel_options); the
+kernel launchers read them there. The defaults are the shipped configuration: the H200
+results in docs/results/ were measured with them.
+
+Options that only benchmarks and kernel tests change are marked so; they exist to price
+one part of a step, not to tune a deployment.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class KernelOptions(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    fused_ops: bool = Field(
+        True, description="Triton RMSNorm / SiLU-and-mul / q-k norm + RoPE on CUDA; "
+                          "False: the PyTorch ops")
+    gemv: bool = Field(
+        True, description="the fused batch-1 GEMVs on CUDA; False: cuBLAS + separate kernels")
+    gemv_max_tokens: int = Field(
+        1, ge=0, description="token rows up to which a linear layer takes the GEMV path")
+    gemv_configs: dict[str, tuple[int, ...]] = Field(
+        default_factory=dict,
+        description="launch configs by shape key, over the device's table (benchmarks, tuners)")
+    pdl: bool = Field(True, description="programmatic dependent launch (sm_90+)")
+    fused_decode_kv_write: Literal["auto", "always", "never"] = Field(
+        "auto", description="the decode attention writes the step's K/V itself: auto (the "
+                            "backend's rule), always, or never (a KV-write kernel first)")
+    decode_attention_preload: bool | None = Field(
+        None, description="the decode attention loads its first KV tile before the PDL "
+                          "wait; None: when the launch splits the KV (benchmarks)")
+    decode_attention_num_stages: int = Field(
+        1, ge=1, description="software-pipeline stages of the decode attention (benchmarks)")
+    attention_min_tiles_per_split: int = Field(
+        1, ge=1, description="fewest KV tiles a split of the unified attention takes (benchmarks)")
+    attention_tile_n: int | None = Field(
+        None, ge=16, description="KV tile of the single-query attention; None: by head size "
+                                 "(benchmarks)")
+    attention_num_warps: int | None = Field(
+        None, ge=1, description="warps of the single-query attention; None: 4 (benchmarks)")
+    attention_num_splits: int | None = Field(
+        None, ge=1, description="KV splits of every decode launch; None: by batch and SM "
+                                "count (benchmarks)")
+    nvtx: bool = Field(False, description="NVTX ranges around each runner stage")
+
+    def gemv_config(self, key: str) -> tuple[int, ...] | None:
+        return self.gemv_configs.get(key)
