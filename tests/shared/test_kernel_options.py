@@ -4,6 +4,7 @@ that records the options it sees, and the JSON the config and CLI accept."""
 
 from __future__ import annotations
 
+import pydantic
 import pytest
 
 from policy import EngineArgs
@@ -17,7 +18,7 @@ def test_defaults_are_the_shipped_configuration_and_frozen():
     options = KernelOptions()
     assert options == DEFAULT_KERNEL_OPTIONS == kernel_options()
     assert (options.pdl, options.gemv, options.fused_ops, options.gemv_max_tokens) == (True, True, True, 1)
-    with pytest.raises(Exception):
+    with pytest.raises(pydantic.ValidationError, match="frozen"):
         options.pdl = False  # frozen: a captured graph's options cannot change under it
     with pytest.raises(ValueError):
         KernelOptions(fused_decode_kv_write="sometimes")
