@@ -47,7 +47,7 @@ SHAPES = [
 # (BLOCK_N, BLOCK_K, warps, stages, kernel[, preload]): the FMA kernel (kernel 0; stages
 # do not apply), the double-buffered FMA kernel (2), the tensor-core one (1), and that one
 # again waiting for the previous kernel before its first weight tile (preload 0), which
-# measured faster for llama's gate_up (docs/results/h200_gemv_variants.log).
+# measured faster for llama's gate_up (docs/results/raw/77684d6/h200_gemv_variants.log).
 SWEEP = [*itertools.product((8, 16, 32), (256, 512, 1024), (4, 8), (2, 4), (0,)),
          *itertools.product((4, 8, 16, 32), (128, 256, 512), (4, 8), (1,), (2,)),
          *itertools.product((16, 32, 64), (128, 256, 512), (4, 8), (3, 5), (1,)),

@@ -37,12 +37,12 @@ from shared.model.kernels import gemv  # noqa: E402
 
 # config_key -> configs to try, (BLOCK_N, BLOCK_K, warps, stages, kernel, preload): the
 # buffered FMA kernels (2: two tiles in flight, 3: three) over a grid of tiles, and the
-# other kernels' best few from h200_gemv_variants and the tables before.
+# other kernels' best few from docs/results/raw/77684d6/h200_gemv_variants.log and the tables before.
 _FMA2 = [(n, k, w, 1, 2, 1) for n in (4, 8, 16) for k in (128, 256, 512) for w in (4, 8)]
 _FMA3 = [(n, k, w, 1, 3, 1) for n in (4, 8, 16) for k in (128, 256) for w in (4, 8)]
 # Not here: the dot kernel in 16- or 32-row tiles with 3-5 cp.async stages (the LM head's
 # kind of config at many programs). On the layer GEMVs every one lost, by 0.1-6 ms per
-# step (docs/results, h200_gemv_tune_in_step_dot).
+# step (docs/results/raw/8b91117/h200_gemv_tune_in_step_dot.log).
 CANDIDATES = {
     "rope+norm:6144x4096:m1:bfloat16": _FMA2 + _FMA3 + [(8, 256, 8, 2, 0, 1)],
     "residual:4096x4096:m1:bfloat16": _FMA2 + _FMA3 + [(8, 512, 8, 4, 0, 1)],

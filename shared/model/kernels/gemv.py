@@ -60,7 +60,7 @@ from shared.model.kernels.gemv_tiles import (
 )
 from shared.runtime.triton_utils import pdl_launch, pdl_wait_and_release, tl, triton
 
-# Token counts up to this take the GEMV path. Measured (docs/results, h200_gemv.log): with
+# Token counts up to this take the GEMV path. Measured (docs/results/raw/1f85703/h200_gemv.log): with
 # the M=1 configs a layer's fused GEMVs are only 1-3% faster than cuBLAS + separate kernels
 # at 2-8 rows and 10% slower at 16, so one row (batch-1 decode) is where they pay.
 MAX_TOKENS = 1
@@ -73,7 +73,7 @@ _CONFIG_FILE = Path(__file__).with_name("gemv_configs.json")
 _DEFAULT_CONFIG = (16, 512, 4, 3, 0)
 # The weight loads' cache hint (see gemv_tiles.weight_tile): 0 none, 1 evict-first,
 # 2 L2 only. Evict-first measured 0.03 ms faster per llama-3-8b batch-1 step on the H200
-# (h200_decode_llama3_8b_weight_hint.json: 3.995 against 4.024 ms; L2 only: 4.019).
+# (docs/results/raw/98ef088/h200_decode_llama3_8b_weight_hint.json: 3.995 against 4.024 ms; L2 only: 4.019).
 WEIGHT_LOAD_HINT = 1
 # Benchmarks set entries (config_key -> config) to run a shape with another config than
 # the table's, e.g. the table a result was measured with before.
