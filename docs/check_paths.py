@@ -21,7 +21,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 ROOTS = ("policy", "shared", "runner_v1", "runner_v2", "scripts", "tests", "docs", ".ci")
-PATH = re.compile(r"(?<![\w./-])((?:%s)/[\w./*-]*)" % "|".join(re.escape(r) for r in ROOTS))
+ROOT_ALTERNATIVES = "|".join(re.escape(r) for r in ROOTS)
+PATH = re.compile(r"(?<![\w./-])((?:" + ROOT_ALTERNATIVES + r")/[\w./*-]*)")
 LINK = re.compile(r"\]\(([^)\s]+)\)")
 REMOVED = re.compile(r"^- `([^`]+)`: removed in ([0-9a-f]{7,40})\b", re.M)
 SKIP_DIRS = {".git", ".venv", ".ci-venv", "node_modules", ".whl"}
