@@ -230,9 +230,9 @@ def _write_and_attend_new_kv(
 # None: preload_first_tile's rule; True / False force it (benchmarks).
 PRELOAD_FIRST_TILE: bool | None = None
 # Software-pipeline stages of the KV loop. One, not the single-query config's three: on the
-# H200 one was faster alone at every context from 1K to 128K keys (batch 1: 5.7 against
-# 6.9 us at 1K, 149 against 182 us at 128K; docs/results/raw/4401167/h200_decode_attention_configs.json), and the
-# llama-3-8b batch-1 step 0.02-0.03 ms faster (docs/results/raw/4401167/h200_decode_llama3_8b_attn_config.json).
+# H200 one was faster alone at every context from 1K to 128K keys at batch 1
+# (docs/results/raw/4401167/h200_decode_attention_configs.json), and so was the llama-3-8b
+# batch-1 step (docs/results/raw/4401167/h200_decode_llama3_8b_attn_config.json).
 # The first tile is loaded by hand before the PDL wait anyway. Benchmarks change it.
 NUM_STAGES = 1
 

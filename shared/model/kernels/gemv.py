@@ -2,8 +2,9 @@
 
 At batch 1 a decode step is weight streaming: every GEMV reads its whole matrix once for
 one activation row. On the H200, cuBLAS streams the small llama-3-8b matrices (qkv,
-o_proj) at 61-77% of the read bandwidth and splits K behind an extra reduction kernel,
-and each of the decoder's ~13 kernels per layer pays launch latency and a tail. Here a
+o_proj) well below the read bandwidth (docs/results/raw/1f85703/h200_gemv.log) and splits
+K behind an extra reduction kernel, and each of the decoder's ~13 kernels per layer pays
+launch latency and a tail. Here a
 program owns BLOCK_N output rows over the whole of K (each weight row read once, no
 split-K), with FMAs (kernel 0), FMAs over a register double or triple buffer (kernels 2
 and 3, one token row) or a tensor-core dot against the token rows padded to 16 (kernel
@@ -13,7 +14,8 @@ num_stages-deep shared-memory pipeline (cp.async); the FMA kernels use 16-byte v
 loads straight to registers (Triton does not software-pipeline them), so kernel 0 gets its
 bandwidth from many programs in flight, and kernels 2 and 3 also from issuing the loads
 of tile k + 1 (k + 2) before they multiply tile k: on the H200, kernel 2 streams llama's
-down_proj at 94% of the read bandwidth against 89% for the best single-buffered config.
+down_proj faster than the best single-buffered config
+(docs/results/raw/77684d6/h200_gemv_variants.log).
 None uses TMA. Under PDL a program loads its first weight tile before it waits for the
 previous kernel, unless its config says not to (preload 0). The ops around a
 GEMV ride along in its prologue or epilogue:
@@ -60,9 +62,9 @@ from shared.model.kernels.gemv_tiles import (
 )
 from shared.runtime.triton_utils import pdl_launch, pdl_wait_and_release, tl, triton
 
-# Token counts up to this take the GEMV path. Measured (docs/results/raw/1f85703/h200_gemv.log): with
-# the M=1 configs a layer's fused GEMVs are only 1-3% faster than cuBLAS + separate kernels
-# at 2-8 rows and 10% slower at 16, so one row (batch-1 decode) is where they pay.
+# Token counts up to this take the GEMV path. Measured (docs/results/raw/1f85703/h200_gemv.log):
+# with the M=1 configs a layer's fused GEMVs barely beat cuBLAS + separate kernels at 2-8
+# rows and lose at 16, so one row (batch-1 decode) is where they pay.
 MAX_TOKENS = 1
 # Module switch (benchmarks and tests flip it): False = cuBLAS + separate kernels.
 ENABLED = True
@@ -72,8 +74,8 @@ _CONFIG_FILE = Path(__file__).with_name("gemv_configs.json")
 # (BLOCK_N, BLOCK_K, num_warps, num_stages, kernel) when the table has no entry
 _DEFAULT_CONFIG = (16, 512, 4, 3, 0)
 # The weight loads' cache hint (see gemv_tiles.weight_tile): 0 none, 1 evict-first,
-# 2 L2 only. Evict-first measured 0.03 ms faster per llama-3-8b batch-1 step on the H200
-# (docs/results/raw/98ef088/h200_decode_llama3_8b_weight_hint.json: 3.995 against 4.024 ms; L2 only: 4.019).
+# 2 L2 only. Evict-first measured faster per llama-3-8b batch-1 step on the H200, L2 only
+# neutral (docs/results/raw/98ef088/h200_decode_llama3_8b_weight_hint.json).
 WEIGHT_LOAD_HINT = 1
 # Benchmarks set entries (config_key -> config) to run a shape with another config than
 # the table's, e.g. the table a result was measured with before.
