@@ -125,8 +125,9 @@ def _chunk_size(vocab_size: int) -> int:
 
 def greedy_argmax(x: torch.Tensor) -> torch.Tensor:
     """x.argmax(dim=-1), the first maximum of each row, in two parallel stages. On CUDA,
-    torch reduces one row into one output with a single 512-thread block: 37 us for
-    llama's 128256 logits on the H200, a sixth of the LM head's time at batch 1. Here each
+    torch reduces one row into one output with a single 512-thread block, slow for
+    llama's 128256 logits on the H200
+    (docs/results/raw/5251427/h200_profile_llama3_8b_b1_v1_sampler.txt). Here each
     row is viewed as [B, C] chunks (C divides the vocabulary, so no copy): the max of
     every chunk (B outputs per row, in parallel), then the first chunk holding the row's
     max and the first index inside it: the same first maximum."""

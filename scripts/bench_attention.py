@@ -12,7 +12,7 @@ Measures, with CUDA events (warm-up excluded, median of many repetitions):
    torch.nn.functional.scaled_dot_product_attention (is_causal, bf16) on the same shapes.
 Every case is checked against the TORCH backend or SDPA before it is timed.
 
-    python scripts/bench_attention.py --out docs/results/attention_h200.json
+    python scripts/bench_attention.py --out attention.json   # H200: docs/results/raw/2a17d2d/h200_attention.json
 """
 
 from __future__ import annotations

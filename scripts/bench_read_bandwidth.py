@@ -2,7 +2,9 @@
 
 bench_decode's floor divides the weight bytes by measure_read_bandwidth. Over 4 GiB of
 float32 (its form until 2026-11-30's fifth session) identical decode steps gave ratios
-1.13-1.19 in runs whose measurement read 4195-4420 GB/s, so this script measures the same
+that moved with what the measurement read (docs/journal/2026-11-h200-sessions.md, fifth
+session; docs/results/raw/8b91117/h200_read_bandwidth_4gib_measure.json), so this script
+measures the same
 quantity several ways in one process, trial after trial: measure_read_bandwidth as it is,
 the sum in float32 and bfloat16 over 1, 4 and 16 GiB (median and best of the reps), and
 the LM head's GEMV (llama-3-8b's 128256 x 4096 bf16 weight, one token, the launch table's

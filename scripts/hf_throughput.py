@@ -1,7 +1,7 @@
 """The peer baseline for the README: nano-vllm's offline throughput workload through Hugging
 Face transformers' own continuous batching (its paged KV cache, scheduler and CUDA graphs).
 
-  python3 scripts/hf_throughput.py --out docs/results/hf_throughput.json        # H200
+  python3 scripts/hf_throughput.py --out hf_throughput.json        # H200: docs/results/raw/1f8e650/h200_hf_throughput.json
   python3 scripts/hf_throughput.py --model tiny-llama --quick --device cpu      # smoke test
 
 Workload (shared.harness.workloads.nano_vllm_workload): 256 requests, prompt and output

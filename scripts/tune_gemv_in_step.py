@@ -3,8 +3,8 @@ inside the decode step they run in.
 
 bench_gemv times each shape alone and bench_gemv_variants the four in a chain; neither
 has the attention kernels, the norms and the LM head around them, and a config that wins
-there can lose in the step (the chain predicted 5 us per layer for the variants table, the
-step gave 1.6). Here each candidate is a whole V1 engine (llama-3-8b, dummy bf16 weights,
+there can lose in the step (the step kept only part of the variants table's gain in the
+chain: docs/results/raw/77684d6/h200_decode_llama3_8b_variants_table.json). Here each candidate is a whole V1 engine (llama-3-8b, dummy bf16 weights,
 batch 1, context 1024, FULL graphs) with the candidates as KernelOptions.gemv_configs, timed by the GPU time
 of its decode step, forward + LM head + sampler (median over the steps; the runs before
 2026-11-30's fifth session timed the forward alone, which leaves the LM head out).
@@ -37,11 +37,11 @@ from shared.model.kernels import gemv  # noqa: E402
 
 # config_key -> configs to try, (BLOCK_N, BLOCK_K, warps, stages, kernel, 1): the
 # double-buffered FMA kernel (2) over a grid of tiles, and the other kernels' best few from
-# h200_gemv_variants and the tables before.
+# docs/results/raw/77684d6/h200_gemv_variants.log and the tables before.
 _FMA2 = [(n, k, w, 1, 2, 1) for n in (4, 8, 16) for k in (128, 256, 512) for w in (4, 8)]
 # Not here: the dot kernel in 16- or 32-row tiles with 3-5 cp.async stages (the LM head's
-# kind of config at many programs). On the layer GEMVs every one lost, by 0.1-6 ms per
-# step (docs/results, h200_gemv_tune_in_step_dot).
+# kind of config at many programs). On the layer GEMVs every one lost
+# (docs/results/raw/8b91117/h200_gemv_tune_in_step_dot.log).
 CANDIDATES = {
     "rope+norm:6144x4096:m1:bfloat16": _FMA2 + [(8, 256, 8, 2, 0, 1)],
     "residual:4096x4096:m1:bfloat16": _FMA2 + [(8, 512, 8, 4, 0, 1)],

@@ -232,8 +232,8 @@ def _write_and_attend_new_kv(
 # force it (benchmarks). KernelOptions.decode_attention_num_stages (default 1): the
 # software-pipeline stages of the KV loop. One, not the single-query config's three: on the
 # H200 one was faster alone at every context from 1K to 128K keys
-# (h200_decode_attention_configs.json), and in the llama-3-8b batch-1 step
-# (h200_decode_llama3_8b_attn_config.json). The first tile is loaded by hand before the
+# (docs/results/raw/4401167/h200_decode_attention_configs.json), and in the llama-3-8b
+# batch-1 step (docs/results/raw/4401167/h200_decode_llama3_8b_attn_config.json). The first tile is loaded by hand before the
 # PDL wait anyway.
 
 

@@ -36,7 +36,8 @@ DEFAULT_MAX_NUM_SPLITS = 64
 # of in a KV-write kernel before it (KernelOptions.fused_decode_kv_write): "auto" when its
 # (row, KV head) pairs number fewer than the GPU's SMs, where the step is bound by latency
 # and the fusion pays (llama-3-8b batch 1 on the H200); with more rows the two-kernel path
-# measured faster (qwen3-0.6b batch 64-512; both in docs/results). "always" / "never":
+# measured faster (qwen3-0.6b batch 64-512; both in
+# docs/results/raw/41682bd/h200_decode_fused_kv_final.json). "always" / "never":
 # benchmarks, tests.
 
 

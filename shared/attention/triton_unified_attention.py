@@ -26,7 +26,8 @@ LOG2E = 1.4426950408889634
 # - attention_min_tiles_per_split (default 1): a split covers at least this many KV tiles.
 #   One: at batch 1 the decode is bound by latency, and one tile per split means the
 #   uniform-decode kernel has its whole range loaded before its PDL wait (llama-3-8b
-#   batch 1 on the H200: faster than two, docs/results). A partial costs 1/16 of a 64-key
+#   batch 1 on the H200: faster than two, row v1-attnmin2 of
+#   docs/results/raw/d4e2408/h200_decode_llama3_8b_d4e2408.json). A partial costs 1/16 of a 64-key
 #   tile's reads per head.
 # - attention_tile_n: keys per loop iteration of the decode (single-query) kernel for
 #   16-bit inputs; None: 64 up to head_dim 128, else 32.

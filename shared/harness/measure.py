@@ -56,10 +56,11 @@ def measure_read_bandwidth(device: torch.device, gib: float = 16.0, reps: int = 
     """HBM read bandwidth in bytes/s: the median time of a float32 sum over `gib` GiB
     (capped at an eighth of the device's memory), far past the L2 cache.
 
-    Why 16 GiB: over 4 GiB the same measurement read 3762, 4261 and 4404 GB/s in three
-    trials of one process on the H200, and a ratio to a floor built on it moved with it;
-    over 16 GiB it read 4386-4443 (docs/results, h200_read_bandwidth.json). The larger
-    buffer also gives the higher figure, so the floor does not get easier."""
+    Why 16 GiB: over 4 GiB the same measurement moved widely between three trials of one
+    process on the H200, and a ratio to a floor built on it moved with it
+    (docs/results/raw/8b91117/h200_read_bandwidth_4gib_measure.json); over 16 GiB it held
+    steady (docs/results/raw/8b91117/h200_read_bandwidth.json). The larger buffer also
+    gives the higher figure, so the floor does not get easier."""
     if device.type != "cuda":
         return float("nan")
     total = torch.cuda.get_device_properties(device).total_memory

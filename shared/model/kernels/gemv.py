@@ -2,8 +2,9 @@
 
 At batch 1 a decode step is weight streaming: every GEMV reads its whole matrix once for
 one activation row. On the H200, cuBLAS streams the small llama-3-8b matrices (qkv,
-o_proj) at 61-77% of the read bandwidth and splits K behind an extra reduction kernel,
-and each of the decoder's ~13 kernels per layer pays launch latency and a tail. Here a
+o_proj) well below the read bandwidth (docs/results/raw/1f85703/h200_gemv.log) and splits
+K behind an extra reduction kernel, and each of the decoder's ~13 kernels per layer pays
+launch latency and a tail. Here a
 program owns BLOCK_N output rows over the whole of K (each weight row read once, no
 split-K), with FMAs (kernel 0), FMAs over a register double buffer (kernel 2, one token
 row) or a tensor-core dot against the token rows padded to 16 (kernel
@@ -13,7 +14,8 @@ num_stages-deep shared-memory pipeline (cp.async); the FMA kernels use 16-byte v
 loads straight to registers (Triton does not software-pipeline them), so kernel 0 gets its
 bandwidth from many programs in flight, and kernel 2 also from issuing the loads of tile
 k + 1 before it multiplies tile k (on the H200 it streams llama's down_proj faster than the
-best single-buffered config: docs/results). None uses TMA. Under PDL a program loads its
+best single-buffered config: docs/results/raw/77684d6/h200_gemv_variants.log). None uses
+TMA. Under PDL a program loads its
 first weight tile before it waits for the previous kernel. Weight loads are evict-first
 (gemv_tiles.weight_tile). The ops around a GEMV ride along in its prologue or epilogue:
 
@@ -64,7 +66,7 @@ from shared.runtime.triton_utils import pdl_launch, tl, triton
 
 # KernelOptions.gemv_max_tokens (default 1): token counts up to it take the GEMV path. With
 # the M=1 configs a layer's fused GEMVs gain little over cuBLAS + separate kernels at 2-8
-# rows and lose at 16 (docs/results, h200_gemv.log), so one row (batch-1 decode) is where
+# rows and lose at 16 (docs/results/raw/1f85703/h200_gemv.log), so one row (batch-1 decode) is where
 # they pay. KernelOptions.gemv = False: cuBLAS + separate kernels.
 
 _EPILOGUES = {"none": 0, "residual": 1, "silu": 2, "rope": 3}

@@ -144,7 +144,7 @@ def weight_tile(w_rows, cols, row_mask, col_mask):
     Loaded evict-first from L2: a weight is read once per step, so it should not push out
     the activations, partials and KV that the next kernels read back (on the H200 this beat
     no hint and L2-only .cg loads in the llama-3-8b batch-1 step:
-    h200_decode_llama3_8b_weight_hint.json)."""
+    docs/results/raw/98ef088/h200_decode_llama3_8b_weight_hint.json)."""
     mask = row_mask[:, None] & col_mask[None, :]
     return tl.load(w_rows + cols[None, :], mask=mask, other=0.0, eviction_policy="evict_first")
 
