@@ -92,7 +92,7 @@ class CudaGraphWrapper:
 
 
 class V1CudaGraphs:
-    def __init__(self, config: Any, device: torch.device, executor, buffers, input_batch):
+    def __init__(self, config: Any, device: torch.device, executor, buffers, persistent_batch):
         cc = config.compilation_config
         sc = config.scheduler_config
         self.mode = cc.cudagraph_mode  # resolved by policy: NONE on CPU / enforce_eager
@@ -124,7 +124,7 @@ class V1CudaGraphs:
         self.device = device
         self.executor = executor
         self.buffers = buffers
-        self.input_batch = input_batch
+        self.persistent_batch = persistent_batch
         self.wrapper: CudaGraphWrapper | None = None
         self.captured = False  # dispatch picks graphs only once they exist
         self.max_model_len = sc.max_model_len
@@ -210,7 +210,7 @@ class V1CudaGraphs:
 
     def _fill_dummy_inputs(self, size: int) -> CommonAttentionMetadata:
         """Called before (not inside) each capture; see fill_dummy_decode."""
-        b, table = self.buffers, self.input_batch.block_table
+        b, table = self.buffers, self.persistent_batch.block_table
         return fill_dummy_decode(
             size, b.input_ids.gpu, b.positions.gpu, b.query_start_loc.gpu, b.seq_lens.gpu,
             table.block_table.gpu, table.slot_mapping.gpu, self.max_model_len,

@@ -26,8 +26,8 @@ from runner_v1.sampling_metadata_builder import (
     make_sampling_metadata,
 )
 
-# Every row-indexed field of InputBatch, by attribute name. condense() and swap_states()
-# move exactly these; add a field here when you add one to __init__.
+# Every row-indexed field of PersistentBatch, by attribute name. condense() and
+# swap_states() move exactly these; add a field here when you add one to __init__.
 ROW_FIELDS: tuple[str, ...] = (
     # Python lists (request ids, references to output lists, stop ids)
     "_req_ids", "req_output_token_ids", "stop_token_ids",
@@ -45,7 +45,7 @@ ROW_FIELDS: tuple[str, ...] = (
 ROW_PREFIX_COUNTS: dict[str, str] = {"token_ids": "num_tokens"}
 
 
-class InputBatch:
+class PersistentBatch:
     ROW_FIELDS = ROW_FIELDS
     ROW_PREFIX_COUNTS = ROW_PREFIX_COUNTS
 
@@ -165,7 +165,7 @@ class InputBatch:
         elif self._num_rows < self.max_num_reqs:
             row = self._num_rows
         else:
-            raise RuntimeError(f"InputBatch is full ({self.max_num_reqs} rows)")
+            raise RuntimeError(f"PersistentBatch is full ({self.max_num_reqs} rows)")
         # Recorded first: the builder refuses an add after a move, before anything changed.
         self.batch_update_builder.added(
             row, req_id, request.sampling_params, request.output_token_ids
