@@ -20,8 +20,9 @@ from runner_v1.cudagraph import V1CudaGraphs
 from runner_v1.persistent_batch import PersistentBatch
 from runner_v1.prepare_inputs import InputBuffers, PreparedInputs, prepare_inputs
 from runner_v1.request_state import CachedRequestState
-from runner_v1.sampler import Sampler, SamplerOutput
+from runner_v1.sampler import Sampler
 from runner_v1.sampling_metadata import SamplingMetadata
+from shared.contract.sampler_output import SamplerOutput
 from shared.contract.step import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
 from shared.runtime.model_executor import ModelExecutor
 from shared.runtime.runner_base import RunnerSetupMixin

@@ -25,6 +25,7 @@ from runner_v2.sample.sampler import Sampler
 from runner_v2.sample.states import SamplingStates
 from runner_v2.states import RequestState
 from shared.attention.metadata import CommonAttentionMetadata
+from shared.contract.sampler_output import SamplerOutput
 from shared.contract.step import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
 from shared.runtime.model_executor import ModelExecutor
 from shared.runtime.runner_base import RunnerSetupMixin
@@ -201,7 +202,9 @@ class GPUModelRunner(RunnerSetupMixin):
         )
 
     # ---- output -------------------------------------------------------------------------
-    def _make_async_output(self, batch: InputBatch, out, num_logprobs: np.ndarray):
+    def _make_async_output(
+        self, batch: InputBatch, out: SamplerOutput, num_logprobs: np.ndarray
+    ) -> AsyncModelRunnerOutput:
         n = batch.num_reqs
         req_ids = batch.req_ids
         # Which rows sample, decided on the host from exact scheduler counts.
