@@ -185,18 +185,14 @@ class GPUModelRunner(RunnerSetupMixin):
         num_tokens_padded = desc.num_tokens if desc is not None else num_tokens
         batch = prepare_inputs(
             req_ids, idx_mapping_np, num_scheduled, num_reqs_padded, num_tokens_padded,
-            self.req_states, self.buffers,
-        )
-        self._block_table, self._slot_mapping = self.block_tables.prepare(
-            batch.idx_mapping, batch.query_start_loc, batch.positions, num_reqs_padded,
-            num_tokens_padded,
+            self.req_states, self.buffers, self.block_tables,
         )
         return batch, desc
 
     def _common_metadata(self, batch: InputBatch) -> CommonAttentionMetadata:
         # host copies: exact here (the scheduler's counts) and used only by TORCH
         return CommonAttentionMetadata.for_batch(
-            batch, self._block_table, self._slot_mapping, self.block_size,
+            batch, batch.block_table, batch.slot_mapping, self.block_size,
             query_start_loc_cpu=torch.from_numpy(batch.query_start_loc_np),
             seq_lens_cpu=torch.from_numpy(batch.seq_lens_np),
         )
