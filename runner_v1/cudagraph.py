@@ -17,8 +17,9 @@ tokens runs the graphs of the smallest size S >= t with its request count unpadd
 tokens t..S-1 get input id 0, position 0 and a PAD slot, belong to no request in the
 attention metadata, and are never sampled.
 
-The TORCH oracle backend reads lengths on the host, so it cannot run inside a graph:
-with it, FULL graphs are off; PIECEWISE graphs still work (attention runs eagerly).
+A backend that cannot run inside a graph (`supports_full_cudagraph` False: the TORCH
+oracle, which reads lengths on the host) turns FULL graphs off; PIECEWISE graphs still
+work with it (attention runs eagerly).
 """
 
 from __future__ import annotations
@@ -103,22 +104,23 @@ class V1CudaGraphs:
         self.piecewise_sizes = sorted(
             s for s in cc.cudagraph_capture_sizes if s <= sc.max_num_batched_tokens
         )
-        # The TORCH oracle reads lengths on the host: it cannot run inside a FULL graph;
-        # between piecewise graphs it runs eagerly like any backend.
-        torch_oracle = executor.backend.name == "TORCH"
+        # A backend that cannot run inside a FULL graph (the TORCH oracle reads lengths
+        # on the host) runs eagerly between piecewise graphs like any backend.
+        backend = executor.backend
         self.full_enabled = (
             on_cuda and self.mode in ("FULL", "FULL_AND_PIECEWISE")
-            and bool(self.capture_sizes) and not torch_oracle
+            and bool(self.capture_sizes) and backend.supports_full_cudagraph
         )
         self.piecewise_enabled = (
             on_cuda and self.mode in ("PIECEWISE", "FULL_AND_PIECEWISE")
             and bool(self.piecewise_sizes)
         )
         self.enabled = self.full_enabled or self.piecewise_enabled
-        if on_cuda and torch_oracle and self.mode in ("FULL", "FULL_AND_PIECEWISE"):
+        if (on_cuda and not backend.supports_full_cudagraph
+                and self.mode in ("FULL", "FULL_AND_PIECEWISE")):
             logger.info(
-                "V1 cudagraph_mode=%s with the TORCH attention backend: no FULL graphs (it "
-                "reads lengths on the host)%s", self.mode,
+                "V1 cudagraph_mode=%s with the %s attention backend: no FULL graphs (it "
+                "cannot run inside one)%s", self.mode, backend.name,
                 "; piecewise graphs cover every batch" if self.piecewise_enabled else "",
             )
         self.device = device

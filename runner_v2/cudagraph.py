@@ -34,10 +34,11 @@ class CudaGraphManager:
         self.mode = cc.cudagraph_mode
         max_num_seqs = config.scheduler_config.max_num_seqs
         self.capture_sizes = sorted(s for s in cc.cudagraph_capture_sizes if s <= max_num_seqs)
-        # The TORCH oracle reads lengths on the host: it cannot run inside a graph.
+        # A backend that cannot run inside a graph (the TORCH oracle reads lengths on the
+        # host) means no graphs.
         self.enabled = (
             device.type == "cuda" and self.mode in ("FULL", "FULL_AND_PIECEWISE")
-            and bool(self.capture_sizes) and executor.backend.name != "TORCH"
+            and bool(self.capture_sizes) and executor.backend.supports_full_cudagraph
         )
         self.executor = executor
         self.buffers = buffers

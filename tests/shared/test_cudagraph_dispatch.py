@@ -13,6 +13,10 @@ from hypothesis import strategies as st
 from policy.config import default_capture_sizes
 from runner_v1.cudagraph import V1CudaGraphs
 from runner_v2.cudagraph import CudaGraphManager
+from shared.attention.flash_attn_backend import FlashAttnBackend
+from shared.attention.selector import BACKEND_NAMES
+from shared.attention.torch_backend import TorchBackend
+from shared.attention.triton_backend import TritonBackend
 from shared.runtime.cudagraph_utils import BatchDescriptor, is_uniform_decode, padded_size
 
 LADDER = default_capture_sizes(512)
@@ -48,8 +52,12 @@ def _config(mode: str, sizes: list[int], max_num_seqs: int = 512,
     )
 
 
+BACKENDS = {"TORCH": TorchBackend, "TRITON": TritonBackend, "FLASH_ATTN": FlashAttnBackend}
+
+
 def _executor(backend: str = "TRITON"):
-    return SimpleNamespace(backend=SimpleNamespace(name=backend), block_size=16)
+    # the class: the graph managers read only its declared capabilities (and name)
+    return SimpleNamespace(backend=BACKENDS[backend], block_size=16)
 
 
 def _v1(mode: str = "FULL_AND_PIECEWISE", backend: str = "TRITON", sizes: list[int] = LADDER,
@@ -121,6 +129,12 @@ def test_v1_nothing_before_capture_and_nothing_for_an_empty_step() -> None:
     assert _plan(graphs, [1, 1]) == ("NONE", 2, 2)
 
 
+def test_backends_declare_whether_they_run_inside_a_full_graph() -> None:
+    assert {n: cls.supports_full_cudagraph for n, cls in BACKENDS.items()} == {
+        "TORCH": False, "TRITON": True, "FLASH_ATTN": True}
+    assert set(BACKENDS) == set(BACKEND_NAMES)
+
+
 def test_v1_graphs_off_on_cpu_and_full_off_for_the_torch_oracle() -> None:
     cpu = V1CudaGraphs(_config("FULL", LADDER), SimpleNamespace(type="cpu"), _executor(), None, None)
     assert not cpu.enabled
@@ -151,3 +165,13 @@ def test_v2_dispatch_returns_a_descriptor_only_for_captured_uniform_decode() -> 
     assert manager.dispatch(num_reqs=5, num_tokens=5, max_query_len=1) == BatchDescriptor("FULL", 8, 8)
     assert manager.dispatch(num_reqs=5, num_tokens=9, max_query_len=5) is None  # mixed: eager
     assert manager.dispatch(num_reqs=513, num_tokens=513, max_query_len=1) is None  # too big
+
+
+def test_v2_graphs_need_cuda_and_a_backend_that_runs_inside_a_full_graph() -> None:
+    def enabled(device: str, backend: str) -> bool:
+        return CudaGraphManager(_config("FULL", LADDER), SimpleNamespace(type=device),
+                                _executor(backend), None, None).enabled
+
+    assert enabled("cuda", "TRITON") and enabled("cuda", "FLASH_ATTN")
+    assert not enabled("cuda", "TORCH")  # it reads lengths on the host: not capturable
+    assert not enabled("cpu", "TRITON")
