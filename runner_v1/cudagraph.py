@@ -25,7 +25,6 @@ work with it (attention runs eagerly).
 from __future__ import annotations
 
 import logging
-import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,6 +35,8 @@ from runner_v1.piecewise import PiecewiseGraphs
 from shared.attention.metadata import CommonAttentionMetadata
 from shared.runtime.cudagraph_utils import (
     BatchDescriptor,
+    FullGraphs,
+    capture_full_graphs,
     fill_dummy_decode,
     is_uniform_decode,
     padded_size,
@@ -61,8 +62,7 @@ class CudaGraphWrapper:
     def __init__(self, model: torch.nn.Module, piecewise: PiecewiseGraphs | None = None):
         self.model = model
         self.piecewise = piecewise
-        self.graphs: dict[BatchDescriptor, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
-        self.pool = None
+        self.graphs: FullGraphs = {}
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         ctx = get_forward_context()
@@ -77,19 +77,6 @@ class CudaGraphWrapper:
         ):
             return self.piecewise.run(input_ids, positions)
         return self.model(input_ids, positions)
-
-    def capture(self, desc: BatchDescriptor, prepare: Any, run: Any) -> None:
-        """`prepare()` fills the persistent buffers (outside the graph); `run(metadata)`
-        is the forward that gets captured."""
-        if self.pool is None:
-            self.pool = torch.cuda.graph_pool_handle()
-        run(prepare())  # eager warm-up: Triton JIT and allocator state outside the capture
-        torch.cuda.synchronize()
-        metadata = prepare()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            output = run(metadata)
-        self.graphs[desc] = (graph, output)
 
 
 class V1CudaGraphs:
@@ -128,6 +115,7 @@ class V1CudaGraphs:
         self.buffers = buffers
         self.persistent_batch = persistent_batch
         self.wrapper: CudaGraphWrapper | None = None
+        self.pool = None  # the one memory pool of every graph, FULL and PIECEWISE
         self.captured = False  # dispatch picks graphs only once they exist
         self.max_model_len = sc.max_model_len
 
@@ -173,31 +161,17 @@ class V1CudaGraphs:
         # One memory pool for every graph. FULL first: its graphs keep their outputs
         # alive in the pool, so no later capture places scratch memory over them; the
         # piecewise graphs own no live outputs (they copy into static buffers).
-        self.wrapper.pool = torch.cuda.graph_pool_handle()
+        self.pool = torch.cuda.graph_pool_handle()
         if self.full_enabled:
-            self._capture_full()
+            self.wrapper.graphs = capture_full_graphs(
+                self.capture_sizes, self._fill_dummy_inputs, self._captured_forward,
+                self.pool, "V1",
+            )
         if piecewise is not None:
-            piecewise.capture(self.wrapper.pool)
+            piecewise.capture(self.pool)
         # From now on the executor's model call goes through the wrapper.
         self.executor.model_call = self.wrapper
         self.captured = True
-
-    def _capture_full(self) -> None:
-        start = time.perf_counter()
-        free_before = torch.cuda.mem_get_info()[0]
-        for size in sorted(self.capture_sizes, reverse=True):  # largest first: pool reuse
-            desc = BatchDescriptor("FULL", size, size)
-            self.wrapper.capture(
-                desc, lambda s=size: self._fill_dummy_inputs(s),
-                lambda common, s=size: self._captured_forward(s, common),
-            )
-        torch.cuda.synchronize()
-        used = free_before - torch.cuda.mem_get_info()[0]
-        logger.info(
-            "V1 captured %d FULL graphs (sizes %d..%d) in %.2f s, %.1f MB of graph memory",
-            len(self.capture_sizes), self.capture_sizes[0], self.capture_sizes[-1],
-            time.perf_counter() - start, used / 1e6,
-        )
 
     def _captured_forward(self, size: int, common: CommonAttentionMetadata) -> torch.Tensor:
         """A uniform decode of `size` rows over the persistent buffers. Only this part is

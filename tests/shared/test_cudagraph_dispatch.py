@@ -1,12 +1,14 @@
 """CUDA-graph dispatch logic, on CPU: the padding ladder, the uniform-decode predicate,
-and each runner's choice between a FULL graph, PIECEWISE graphs (V1) and eager (capture
-itself is GPU-only, tests/gpu/test_runner_cudagraph_gpu.py, tests/gpu/test_piecewise_gpu.py)."""
+each runner's choice between a FULL graph, PIECEWISE graphs (V1) and eager, and the order
+of the shared FULL capture loop with an eager stand-in for the recording (capture itself
+is GPU-only, tests/gpu/test_runner_cudagraph_gpu.py, tests/gpu/test_piecewise_gpu.py)."""
 
 from __future__ import annotations
 
 from types import SimpleNamespace
 
 import numpy as np
+import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -17,7 +19,12 @@ from shared.attention.flash_attn_backend import FlashAttnBackend
 from shared.attention.selector import BACKEND_NAMES
 from shared.attention.torch_backend import TorchBackend
 from shared.attention.triton_backend import TritonBackend
-from shared.runtime.cudagraph_utils import BatchDescriptor, is_uniform_decode, padded_size
+from shared.runtime.cudagraph_utils import (
+    BatchDescriptor,
+    capture_full_graphs,
+    is_uniform_decode,
+    padded_size,
+)
 
 LADDER = default_capture_sizes(512)
 
@@ -175,3 +182,43 @@ def test_v2_graphs_need_cuda_and_a_backend_that_runs_inside_a_full_graph() -> No
     assert enabled("cuda", "TRITON") and enabled("cuda", "FLASH_ATTN")
     assert not enabled("cuda", "TORCH")  # it reads lengths on the host: not capturable
     assert not enabled("cpu", "TRITON")
+
+
+def test_full_capture_warms_up_then_records_only_the_forward_largest_size_first() -> None:
+    events: list[tuple] = []
+    recording = [False]
+
+    def fill(size: int):
+        assert not recording[0], "the dummy inputs must be written outside the graph"
+        events.append(("fill", size))
+        return f"metadata {size}"
+
+    def forward(size: int, metadata) -> torch.Tensor:
+        events.append(("forward", size, metadata, "recorded" if recording[0] else "eager"))
+        return torch.full((size,), size)
+
+    class _Recorded:
+        def __init__(self, body) -> None:
+            self.body = body
+
+        def replay(self) -> None:
+            self.body()
+
+    def record(body, pool):
+        assert pool == "the pool"
+        recording[0] = True
+        try:
+            return _Recorded(body), body()
+        finally:
+            recording[0] = False
+
+    graphs = capture_full_graphs([2, 1, 4], fill, forward, "the pool", "test", record=record)
+    assert events == [e for s in (4, 2, 1) for e in (
+        ("fill", s), ("forward", s, f"metadata {s}", "eager"),
+        ("fill", s), ("forward", s, f"metadata {s}", "recorded"))]
+    assert list(graphs) == [BatchDescriptor("FULL", s, s) for s in (4, 2, 1)]
+    for desc, (graph, output) in graphs.items():
+        assert torch.equal(output, torch.full((desc.num_tokens,), desc.num_tokens))
+        events.clear()
+        graph.replay()  # replays the forward over the inputs of the capture
+        assert events == [("forward", desc.num_tokens, f"metadata {desc.num_tokens}", "eager")]
