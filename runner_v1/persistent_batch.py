@@ -18,7 +18,7 @@ import torch
 
 from runner_v1.batch_update import BatchUpdate, BatchUpdateBuilder, MoveDirectionality
 from runner_v1.block_table import BlockTable
-from runner_v1.buffers import CpuGpuBuffer, make_cpu_tensor
+from runner_v1.buffers import CpuGpuBuffer
 from runner_v1.request_state import CachedRequestState
 from runner_v1.sampling_metadata import SamplingMetadata
 from runner_v1.sampling_metadata_builder import (
@@ -73,7 +73,7 @@ class PersistentBatch:
         # The token table is never copied to the device as a whole (input prep gathers
         # from it into a pinned buffer), so it is not pinned: pinning R x max_model_len
         # int32 would lock up to hundreds of MiB. `token_ids_cpu` is the same memory.
-        self.token_ids_cpu = make_cpu_tensor(R, max_model_len, dtype=torch.int32, pin_memory=False)
+        self.token_ids_cpu = torch.zeros(R, max_model_len, dtype=torch.int32)
         self.token_ids: np.ndarray = self.token_ids_cpu.numpy()
         # Host-only counters (read by NumPy input prep, never copied as they are).
         self.num_tokens = np.zeros(R, dtype=np.int32)  # prefill + generated, per row
