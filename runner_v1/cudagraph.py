@@ -26,11 +26,11 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 import torch
 
+from policy.config import EngineConfig
 from runner_v1.piecewise import PiecewiseGraphs
 from shared.attention.metadata import CommonAttentionMetadata
 from shared.runtime.cudagraph_utils import (
@@ -80,7 +80,9 @@ class CudaGraphWrapper:
 
 
 class V1CudaGraphs:
-    def __init__(self, config: Any, device: torch.device, executor, buffers, persistent_batch):
+    def __init__(
+        self, config: EngineConfig, device: torch.device, executor, buffers, persistent_batch
+    ):
         cc = config.compilation_config
         sc = config.scheduler_config
         self.mode = cc.cudagraph_mode  # resolved by policy: NONE on CPU / enforce_eager

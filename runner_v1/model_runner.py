@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from policy.config import EngineConfig
 from runner_v1.cudagraph import V1CudaGraphs
 from runner_v1.persistent_batch import PersistentBatch
 from runner_v1.prepare_inputs import InputBuffers, PreparedInputs, prepare_inputs
@@ -44,7 +45,7 @@ class _ExecuteState:
 class GPUModelRunner(RunnerSetupMixin):
     runner_name = "v1"
 
-    def __init__(self, config: Any, device: torch.device):
+    def __init__(self, config: EngineConfig, device: torch.device):
         self.config = config
         self.device = device
         sc = config.scheduler_config

@@ -11,10 +11,9 @@ count to the end — so the padded rows attend to nothing and write nothing.
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
+from policy.config import EngineConfig
 from shared.attention.metadata import CommonAttentionMetadata
 from shared.runtime.cudagraph_utils import (
     BatchDescriptor,
@@ -27,7 +26,9 @@ from shared.runtime.cudagraph_utils import (
 
 
 class CudaGraphManager:
-    def __init__(self, config: Any, device: torch.device, executor, buffers, block_tables):
+    def __init__(
+        self, config: EngineConfig, device: torch.device, executor, buffers, block_tables
+    ):
         cc = config.compilation_config
         self.mode = cc.cudagraph_mode
         max_num_seqs = config.scheduler_config.max_num_seqs

@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from policy.config import EngineConfig
 from runner_v2.async_output import AsyncModelRunnerOutput
 from runner_v2.block_tables import BlockTables
 from runner_v2.cudagraph import CudaGraphManager
@@ -47,7 +48,7 @@ class GPUModelRunner(RunnerSetupMixin):
     # this step's tokens reach the host (the engine's async_scheduling).
     supports_async_scheduling = True
 
-    def __init__(self, config: Any, device: torch.device):
+    def __init__(self, config: EngineConfig, device: torch.device):
         self.config = config
         self.device = device
         sc = config.scheduler_config
