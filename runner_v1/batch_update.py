@@ -1,7 +1,7 @@
 """BatchUpdate: what happened to the rows of V1's persistent batch during one step.
 
 Anything that keeps its own row-indexed state (logits processors, a sampler cache)
-replays these records to stay aligned with the InputBatch. A consumer applies them in
+replays these records to stay aligned with the PersistentBatch. A consumer applies them in
 this order: `removed` (the row's request is gone), then `added` (a new request now sits
 at the row), then `moved` in the recorded order.
 

@@ -2,32 +2,16 @@
 
 V1 computes every per-step input in NumPy on the host and ships it to the device with
 one `non_blocking` copy per buffer. A copy is only truly asynchronous from page-locked
-(pinned) host memory, so the host side is pinned whenever CUDA exists. Pinning raises on
-a machine without CUDA, hence the helper instead of an unconditional `pin_memory=True`.
+(pinned) host memory, so the host side is pinned wherever pinning is possible
+(shared/runtime/host_buffers.py; it is not without CUDA).
 """
 
 from __future__ import annotations
 
-from functools import lru_cache
-
 import numpy as np
 import torch
 
-
-@lru_cache(maxsize=1)
-def is_pin_memory_available() -> bool:
-    """Pinned host memory needs a CUDA driver; `torch.zeros(..., pin_memory=True)` raises
-    without one (checked on the CPU machine)."""
-    return torch.cuda.is_available()
-
-
-def make_cpu_tensor(
-    *size: int, dtype: torch.dtype, pin_memory: bool | None = None
-) -> torch.Tensor:
-    """A zeroed host tensor, pinned when CUDA exists (unless told otherwise)."""
-    if pin_memory is None:
-        pin_memory = is_pin_memory_available()
-    return torch.zeros(*size, dtype=dtype, pin_memory=pin_memory)
+from shared.runtime.host_buffers import pinned_zeros
 
 
 class CpuGpuBuffer:
@@ -42,14 +26,8 @@ class CpuGpuBuffer:
     input-prep barrier); this class does not synchronise.
     """
 
-    def __init__(
-        self,
-        *size: int,
-        dtype: torch.dtype,
-        device: torch.device | str,
-        pin_memory: bool | None = None,
-    ) -> None:
-        self.cpu = make_cpu_tensor(*size, dtype=dtype, pin_memory=pin_memory)
+    def __init__(self, *size: int, dtype: torch.dtype, device: torch.device | str) -> None:
+        self.cpu = pinned_zeros(size, dtype)
         self.np: np.ndarray = self.cpu.numpy()
         self.gpu = torch.zeros_like(self.cpu, device=device)
 

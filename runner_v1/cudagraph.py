@@ -17,24 +17,26 @@ tokens runs the graphs of the smallest size S >= t with its request count unpadd
 tokens t..S-1 get input id 0, position 0 and a PAD slot, belong to no request in the
 attention metadata, and are never sampled.
 
-The TORCH oracle backend reads lengths on the host, so it cannot run inside a graph:
-with it, FULL graphs are off; PIECEWISE graphs still work (attention runs eagerly).
+A backend that cannot run inside a graph (`supports_full_cudagraph` False: the TORCH
+oracle, which reads lengths on the host) turns FULL graphs off; PIECEWISE graphs still
+work with it (attention runs eagerly).
 """
 
 from __future__ import annotations
 
 import logging
-import time
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 import torch
 
+from policy.config import EngineConfig
 from runner_v1.piecewise import PiecewiseGraphs
 from shared.attention.metadata import CommonAttentionMetadata
 from shared.runtime.cudagraph_utils import (
     BatchDescriptor,
+    FullGraphs,
+    capture_full_graphs,
     fill_dummy_decode,
     is_uniform_decode,
     padded_size,
@@ -60,8 +62,7 @@ class CudaGraphWrapper:
     def __init__(self, model: torch.nn.Module, piecewise: PiecewiseGraphs | None = None):
         self.model = model
         self.piecewise = piecewise
-        self.graphs: dict[BatchDescriptor, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
-        self.pool = None
+        self.graphs: FullGraphs = {}
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         ctx = get_forward_context()
@@ -77,22 +78,11 @@ class CudaGraphWrapper:
             return self.piecewise.run(input_ids, positions)
         return self.model(input_ids, positions)
 
-    def capture(self, desc: BatchDescriptor, prepare: Any, run: Any) -> None:
-        """`prepare()` fills the persistent buffers (outside the graph); `run(metadata)`
-        is the forward that gets captured."""
-        if self.pool is None:
-            self.pool = torch.cuda.graph_pool_handle()
-        run(prepare())  # eager warm-up: Triton JIT and allocator state outside the capture
-        torch.cuda.synchronize()
-        metadata = prepare()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            output = run(metadata)
-        self.graphs[desc] = (graph, output)
-
 
 class V1CudaGraphs:
-    def __init__(self, config: Any, device: torch.device, executor, buffers, input_batch):
+    def __init__(
+        self, config: EngineConfig, device: torch.device, executor, buffers, persistent_batch
+    ):
         cc = config.compilation_config
         sc = config.scheduler_config
         self.mode = cc.cudagraph_mode  # resolved by policy: NONE on CPU / enforce_eager
@@ -103,29 +93,31 @@ class V1CudaGraphs:
         self.piecewise_sizes = sorted(
             s for s in cc.cudagraph_capture_sizes if s <= sc.max_num_batched_tokens
         )
-        # The TORCH oracle reads lengths on the host: it cannot run inside a FULL graph;
-        # between piecewise graphs it runs eagerly like any backend.
-        torch_oracle = executor.backend.name == "TORCH"
+        # A backend that cannot run inside a FULL graph (the TORCH oracle reads lengths
+        # on the host) runs eagerly between piecewise graphs like any backend.
+        backend = executor.backend
         self.full_enabled = (
             on_cuda and self.mode in ("FULL", "FULL_AND_PIECEWISE")
-            and bool(self.capture_sizes) and not torch_oracle
+            and bool(self.capture_sizes) and backend.supports_full_cudagraph
         )
         self.piecewise_enabled = (
             on_cuda and self.mode in ("PIECEWISE", "FULL_AND_PIECEWISE")
             and bool(self.piecewise_sizes)
         )
         self.enabled = self.full_enabled or self.piecewise_enabled
-        if on_cuda and torch_oracle and self.mode in ("FULL", "FULL_AND_PIECEWISE"):
+        if (on_cuda and not backend.supports_full_cudagraph
+                and self.mode in ("FULL", "FULL_AND_PIECEWISE")):
             logger.info(
-                "V1 cudagraph_mode=%s with the TORCH attention backend: no FULL graphs (it "
-                "reads lengths on the host)%s", self.mode,
+                "V1 cudagraph_mode=%s with the %s attention backend: no FULL graphs (it "
+                "cannot run inside one)%s", self.mode, backend.name,
                 "; piecewise graphs cover every batch" if self.piecewise_enabled else "",
             )
         self.device = device
         self.executor = executor
         self.buffers = buffers
-        self.input_batch = input_batch
+        self.persistent_batch = persistent_batch
         self.wrapper: CudaGraphWrapper | None = None
+        self.pool = None  # the one memory pool of every graph, FULL and PIECEWISE
         self.captured = False  # dispatch picks graphs only once they exist
         self.max_model_len = sc.max_model_len
 
@@ -171,31 +163,17 @@ class V1CudaGraphs:
         # One memory pool for every graph. FULL first: its graphs keep their outputs
         # alive in the pool, so no later capture places scratch memory over them; the
         # piecewise graphs own no live outputs (they copy into static buffers).
-        self.wrapper.pool = torch.cuda.graph_pool_handle()
+        self.pool = torch.cuda.graph_pool_handle()
         if self.full_enabled:
-            self._capture_full()
+            self.wrapper.graphs = capture_full_graphs(
+                self.capture_sizes, self._fill_dummy_inputs, self._captured_forward,
+                self.pool, "V1",
+            )
         if piecewise is not None:
-            piecewise.capture(self.wrapper.pool)
+            piecewise.capture(self.pool)
         # From now on the executor's model call goes through the wrapper.
         self.executor.model_call = self.wrapper
         self.captured = True
-
-    def _capture_full(self) -> None:
-        start = time.perf_counter()
-        free_before = torch.cuda.mem_get_info()[0]
-        for size in sorted(self.capture_sizes, reverse=True):  # largest first: pool reuse
-            desc = BatchDescriptor("FULL", size, size)
-            self.wrapper.capture(
-                desc, lambda s=size: self._fill_dummy_inputs(s),
-                lambda common, s=size: self._captured_forward(s, common),
-            )
-        torch.cuda.synchronize()
-        used = free_before - torch.cuda.mem_get_info()[0]
-        logger.info(
-            "V1 captured %d FULL graphs (sizes %d..%d) in %.2f s, %.1f MB of graph memory",
-            len(self.capture_sizes), self.capture_sizes[0], self.capture_sizes[-1],
-            time.perf_counter() - start, used / 1e6,
-        )
 
     def _captured_forward(self, size: int, common: CommonAttentionMetadata) -> torch.Tensor:
         """A uniform decode of `size` rows over the persistent buffers. Only this part is
@@ -210,7 +188,7 @@ class V1CudaGraphs:
 
     def _fill_dummy_inputs(self, size: int) -> CommonAttentionMetadata:
         """Called before (not inside) each capture; see fill_dummy_decode."""
-        b, table = self.buffers, self.input_batch.block_table
+        b, table = self.buffers, self.persistent_batch.block_table
         return fill_dummy_decode(
             size, b.input_ids.gpu, b.positions.gpu, b.query_start_loc.gpu, b.seq_lens.gpu,
             table.block_table.gpu, table.slot_mapping.gpu, self.max_model_len,

@@ -16,12 +16,14 @@ from typing import Any
 import numpy as np
 import torch
 
+from policy.config import EngineConfig
 from runner_v1.cudagraph import V1CudaGraphs
-from runner_v1.input_batch import InputBatch
+from runner_v1.persistent_batch import PersistentBatch
 from runner_v1.prepare_inputs import InputBuffers, PreparedInputs, prepare_inputs
 from runner_v1.request_state import CachedRequestState
-from runner_v1.sampler import Sampler, SamplerOutput
+from runner_v1.sampler import Sampler
 from runner_v1.sampling_metadata import SamplingMetadata
+from shared.contract.sampler_output import SamplerOutput
 from shared.contract.step import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
 from shared.runtime.model_executor import ModelExecutor
 from shared.runtime.runner_base import RunnerSetupMixin
@@ -43,7 +45,7 @@ class _ExecuteState:
 class GPUModelRunner(RunnerSetupMixin):
     runner_name = "v1"
 
-    def __init__(self, config: Any, device: torch.device):
+    def __init__(self, config: EngineConfig, device: torch.device):
         self.config = config
         self.device = device
         sc = config.scheduler_config
@@ -51,7 +53,7 @@ class GPUModelRunner(RunnerSetupMixin):
         self.max_num_tokens = sc.max_num_batched_tokens
         self.block_size = config.cache_config.block_size
         self.executor = ModelExecutor(config, device)
-        self.input_batch = InputBatch(
+        self.persistent_batch = PersistentBatch(
             self.max_num_reqs, sc.max_model_len, self.max_num_tokens,
             config.model_config.vocab_size, self.block_size, device,
         )
@@ -59,7 +61,9 @@ class GPUModelRunner(RunnerSetupMixin):
         self.requests: dict[str, CachedRequestState] = {}
         self.sampler = Sampler()
         self.timer = StageTimer("runner_v1", use_cuda_events=device.type == "cuda")
-        self.graphs = V1CudaGraphs(config, device, self.executor, self.buffers, self.input_batch)
+        self.graphs = V1CudaGraphs(
+            config, device, self.executor, self.buffers, self.persistent_batch
+        )
         # Guards the pinned input buffers: the previous step's non_blocking H2D copies
         # out of them must be done before NumPy overwrites them (V1's async barrier).
         self.prepare_inputs_event = torch.cuda.Event() if device.type == "cuda" else None
@@ -88,10 +92,10 @@ class GPUModelRunner(RunnerSetupMixin):
             if so.total_num_scheduled_tokens == 0:
                 # finishes and adds applied, nothing to run; emit this step's BatchUpdate
                 # now so its records are not folded into the next step's
-                self.input_batch.refresh_sampling_metadata()
+                self.persistent_batch.refresh_sampling_metadata()
                 self._state = None
                 return None
-            batch = self.input_batch
+            batch = self.persistent_batch
             req_ids = list(batch.req_ids)
             num_scheduled = np.fromiter(
                 (so.num_scheduled_tokens[r] for r in req_ids), dtype=np.int32, count=len(req_ids)
@@ -136,11 +140,11 @@ class GPUModelRunner(RunnerSetupMixin):
         requests)."""
         self._state = None
         self.requests.clear()
-        self.input_batch.clear()
+        self.persistent_batch.clear()
 
     # ---- the four ordered phases ------------------------------------------------------
     def _update_states(self, so: SchedulerOutput) -> None:
-        batch = self.input_batch
+        batch = self.persistent_batch
         # 1. Finished and aborted (and preempted: they come back as new requests, with
         #    their generated tokens in the prefill). Done first: an id may be finished
         #    and scheduled new in one step (abort then resubmit), two distinct requests.
@@ -181,7 +185,7 @@ class GPUModelRunner(RunnerSetupMixin):
         inputs, req_ids = state.inputs, state.req_ids
         num_reqs = inputs.num_reqs
         sampled = out.sampled_token_ids.cpu().numpy()  # the step's one sync
-        batch = self.input_batch
+        batch = self.persistent_batch
         # A row samples only when its chunk reaches the end of what it has to prefill;
         # a partial prefill chunk's token is computed and dropped.
         seq_lens = inputs.seq_lens_cpu[:num_reqs].numpy()

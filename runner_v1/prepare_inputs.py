@@ -1,6 +1,6 @@
 """V1 input preparation: turn per-row query lengths into the flat ragged-batch tensors.
 
-Everything is vectorised NumPy over the rows of the (dense, condensed) InputBatch and
+Everything is vectorised NumPy over the rows of the (dense, condensed) PersistentBatch and
 written into persistent host buffers, then shipped with non_blocking copies. Padding
 rules (a CUDA graph replays over padded sizes, so stale values would be read):
 - query_start_loc past the real rows repeats the last real value (non-decreasing),
@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from runner_v1.buffers import CpuGpuBuffer
-from runner_v1.input_batch import InputBatch
+from runner_v1.persistent_batch import PersistentBatch
 from shared.attention.metadata import CommonAttentionMetadata, count_leading_decodes
 
 
@@ -131,20 +131,20 @@ def gather_input_ids(
 
 
 def prepare_inputs(
-    input_batch: InputBatch,
+    batch: PersistentBatch,
     num_scheduled_tokens_np: np.ndarray,
     buffers: InputBuffers,
     num_tokens_padded: int | None = None,
     num_reqs_padded: int | None = None,
 ) -> PreparedInputs:
     """num_scheduled_tokens_np: int32 [num_reqs] in row order of the condensed batch."""
-    num_reqs = input_batch.num_reqs
-    if input_batch.has_holes or num_scheduled_tokens_np.shape[0] != num_reqs:
+    num_reqs = batch.num_reqs
+    if batch.has_holes or num_scheduled_tokens_np.shape[0] != num_reqs:
         raise ValueError("prepare_inputs needs a condensed batch and one count per row")
     if num_reqs == 0:
         raise ValueError("prepare_inputs: no rows (a zero-token step skips input prep)")
     # First: start the block-table copy so it overlaps the NumPy work below.
-    input_batch.block_table.commit(num_reqs)
+    batch.block_table.commit(num_reqs)
 
     num_scheduled = num_scheduled_tokens_np
     cu_num_tokens = cumsum_and_arange(num_scheduled, buffers.arange, buffers.query_pos)
@@ -154,28 +154,28 @@ def prepare_inputs(
     _check_sizes(num_reqs, num_reqs_padded, num_tokens, num_tokens_padded, buffers)
 
     seq_lens_np = buffers.seq_lens.np
-    fill_seq_lens(input_batch.num_computed_tokens, num_scheduled, seq_lens_np)
+    fill_seq_lens(batch.num_computed_tokens, num_scheduled, seq_lens_np)
     max_seq_len = int(seq_lens_np[:num_reqs].max())
     # A position at or past num_tokens would read a stale token (or the next row).
-    over = np.flatnonzero(seq_lens_np[:num_reqs] > input_batch.num_tokens[:num_reqs])
+    over = np.flatnonzero(seq_lens_np[:num_reqs] > batch.num_tokens[:num_reqs])
     if over.size:
         row = int(over[0])
         raise RuntimeError(
-            f"V1 input prep: request {input_batch.req_ids[row]!r} (row {row}) is scheduled up "
+            f"V1 input prep: request {batch.req_ids[row]!r} (row {row}) is scheduled up "
             f"to position {int(seq_lens_np[row])} but the persistent batch holds only "
-            f"{int(input_batch.num_tokens[row])} of its tokens: the scheduler and the runner "
+            f"{int(batch.num_tokens[row])} of its tokens: the scheduler and the runner "
             "disagree about it (a step that failed without the engine's recovery?)"
         )
 
     req_indices = compute_req_indices(num_scheduled, buffers.arange)
     positions_np = buffers.positions.np[:num_tokens]
     np.add(
-        input_batch.num_computed_tokens[req_indices],
+        batch.num_computed_tokens[req_indices],
         buffers.query_pos[:num_tokens],
         out=positions_np,
     )
     gather_input_ids(
-        input_batch.token_ids_cpu, req_indices, positions_np, buffers.input_ids.cpu[:num_tokens]
+        batch.token_ids_cpu, req_indices, positions_np, buffers.input_ids.cpu[:num_tokens]
     )
     buffers.positions.np[num_tokens:num_tokens_padded] = 0
     buffers.input_ids.np[num_tokens:num_tokens_padded] = 0
@@ -185,7 +185,7 @@ def prepare_inputs(
     logits_np = buffers.logits_indices.np[:num_reqs]
     np.subtract(qsl_np[1 : num_reqs + 1], 1, out=logits_np)
 
-    slot_mapping = input_batch.block_table.compute_slot_mapping(
+    slot_mapping = batch.block_table.compute_slot_mapping(
         req_indices, positions_np, num_tokens_padded
     )
     num_decodes = count_leading_decodes(num_scheduled)

@@ -1,6 +1,6 @@
 """The runner's own record of a request (`CachedRequestState`), kept for the request's
-whole life so that V1's persistent batch (runner_v1.input_batch) can put it back into a
-row after it was scheduled out."""
+whole life so that V1's persistent batch (runner_v1.persistent_batch) can put it back
+into a row after it was scheduled out."""
 
 from __future__ import annotations
 

@@ -13,22 +13,12 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass
 
 import torch
 
 from runner_v1.sampling_metadata import SamplingMetadata
+from shared.contract.sampler_output import SamplerOutput
 from shared.sampling.noise import gumbel_noise
-
-
-@dataclass
-class SamplerOutput:
-    sampled_token_ids: torch.Tensor  # int64 [N]
-    # column 0 is the sampled token, then the top max_num_logprobs tokens by raw logit;
-    # rows that asked for fewer (or none) still carry max_num_logprobs columns
-    logprob_token_ids: torch.Tensor | None  # int64 [N, 1 + max_n]
-    logprobs: torch.Tensor | None  # compute dtype [N, 1 + max_n]
-    ranks: torch.Tensor | None  # int64 [N], rank of the sampled token (1 = best)
 
 
 def compute_dtype(logits: torch.Tensor) -> torch.dtype:

@@ -1,7 +1,7 @@
 """SamplingMetadata: the V1 sampler's per-step view of the batch, rows = batch rows.
 
-Built by InputBatch (runner_v1.input_batch) and rebuilt only when the batch changed;
-the per-step parts (positions, min-tokens masks) are passed to the sampler separately.
+Built by PersistentBatch (runner_v1.persistent_batch) and rebuilt only when the batch
+changed; the per-step parts (positions, min-tokens masks) are passed to the sampler separately.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The sampler's view of V1's persistent batch: builds SamplingMetadata from the rows
-[0, num_reqs) of an InputBatch. InputBatch.refresh_sampling_metadata decides when a
-rebuild is needed; these functions only read the batch."""
+[0, num_reqs) of a PersistentBatch. PersistentBatch.refresh_sampling_metadata decides
+when a rebuild is needed; these functions only read the batch."""
 
 from __future__ import annotations
 
@@ -13,10 +13,10 @@ from runner_v1.buffers import CpuGpuBuffer
 from runner_v1.sampling_metadata import SamplingMetadata
 
 if TYPE_CHECKING:
-    from runner_v1.input_batch import InputBatch
+    from runner_v1.persistent_batch import PersistentBatch
 
 
-def compute_min_tokens_stop_ids(batch: InputBatch) -> dict[int, list[int]]:
+def compute_min_tokens_stop_ids(batch: PersistentBatch) -> dict[int, list[int]]:
     """Rows that have generated fewer than min_tokens -> token ids to mask (stop ids,
     and EOS unless ignored). Cheap when no row uses min_tokens."""
     n = batch.num_reqs
@@ -34,7 +34,7 @@ def compute_min_tokens_stop_ids(batch: InputBatch) -> dict[int, list[int]]:
     return result
 
 
-def make_sampling_metadata(batch: InputBatch) -> SamplingMetadata:
+def make_sampling_metadata(batch: PersistentBatch) -> SamplingMetadata:
     """Copy the rows' sampling values to the device; optional parts stay None when no row
     uses them. min_tokens_stop_ids is left empty: it is refreshed on every step."""
     n = batch.num_reqs
@@ -70,7 +70,7 @@ def make_sampling_metadata(batch: InputBatch) -> SamplingMetadata:
     )
 
 
-def make_prompt_token_ids(batch: InputBatch, n: int) -> torch.Tensor:
+def make_prompt_token_ids(batch: PersistentBatch, n: int) -> torch.Tensor:
     """User-prompt tokens per row, padded with vocab_size (a bin past the vocabulary,
     so padding never counts as a real token). Resumed outputs are not prompt."""
     prompt_lens = batch.num_prompt_tokens[:n]

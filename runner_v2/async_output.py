@@ -10,6 +10,7 @@ from collections.abc import Callable
 import torch
 
 from shared.contract.step import ModelRunnerOutput
+from shared.runtime.host_buffers import pinned_empty
 
 
 class AsyncModelRunnerOutput:
@@ -35,7 +36,7 @@ class AsyncModelRunnerOutput:
                 if t is None:
                     self._host[key] = None
                     continue
-                host = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=True)
+                host = pinned_empty(tuple(t.shape), t.dtype)
                 host.copy_(t, non_blocking=True)
                 # keep the device tensor alive until the copy is done
                 t.record_stream(copy_stream)

@@ -11,39 +11,39 @@ count to the end — so the padded rows attend to nothing and write nothing.
 
 from __future__ import annotations
 
-import logging
-import time
-from typing import Any
-
 import torch
 
+from policy.config import EngineConfig
 from shared.attention.metadata import CommonAttentionMetadata
 from shared.runtime.cudagraph_utils import (
     BatchDescriptor,
+    FullGraphs,
+    capture_full_graphs,
     fill_dummy_decode,
     is_uniform_decode,
     padded_size,
 )
 
-logger = logging.getLogger("runnerlab")
-
 
 class CudaGraphManager:
-    def __init__(self, config: Any, device: torch.device, executor, buffers, block_tables):
+    def __init__(
+        self, config: EngineConfig, device: torch.device, executor, buffers, block_tables
+    ):
         cc = config.compilation_config
         self.mode = cc.cudagraph_mode
         max_num_seqs = config.scheduler_config.max_num_seqs
         self.capture_sizes = sorted(s for s in cc.cudagraph_capture_sizes if s <= max_num_seqs)
-        # The TORCH oracle reads lengths on the host: it cannot run inside a graph.
+        # A backend that cannot run inside a graph (the TORCH oracle reads lengths on the
+        # host) means no graphs.
         self.enabled = (
             device.type == "cuda" and self.mode in ("FULL", "FULL_AND_PIECEWISE")
-            and bool(self.capture_sizes) and executor.backend.name != "TORCH"
+            and bool(self.capture_sizes) and executor.backend.supports_full_cudagraph
         )
         self.executor = executor
         self.buffers = buffers
         self.block_tables = block_tables
         self.max_model_len = config.scheduler_config.max_model_len
-        self.graphs: dict[BatchDescriptor, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.graphs: FullGraphs = {}
         self.pool = None
 
     def dispatch(self, num_reqs: int, num_tokens: int, max_query_len: int) -> BatchDescriptor | None:
@@ -60,27 +60,9 @@ class CudaGraphManager:
     def capture(self) -> None:
         if not self.enabled:
             return
-        start = time.perf_counter()
-        free_before = torch.cuda.mem_get_info()[0]
         self.pool = torch.cuda.graph_pool_handle()
-        for size in sorted(self.capture_sizes, reverse=True):  # largest first: pool reuse
-            desc = BatchDescriptor("FULL", size, size)
-            # eager warm-up (Triton JIT, allocator) outside the capture
-            self._captured_forward(size, self._fill_dummy_inputs(size))
-            torch.cuda.synchronize()
-            # The buffer set-up stays OUTSIDE the graph: captured, every replay would
-            # reset the step's real inputs to this dummy batch.
-            common = self._fill_dummy_inputs(size)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool):
-                hidden_states = self._captured_forward(size, common)
-            self.graphs[desc] = (graph, hidden_states)
-        torch.cuda.synchronize()
-        used = free_before - torch.cuda.mem_get_info()[0]
-        logger.info(
-            "V2 captured %d FULL graphs (sizes %d..%d) in %.2f s, %.1f MB of graph memory",
-            len(self.graphs), self.capture_sizes[0], self.capture_sizes[-1],
-            time.perf_counter() - start, used / 1e6,
+        self.graphs = capture_full_graphs(
+            self.capture_sizes, self._fill_dummy_inputs, self._captured_forward, self.pool, "V2"
         )
 
     def _captured_forward(self, size: int, common: CommonAttentionMetadata) -> torch.Tensor:

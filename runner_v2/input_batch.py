@@ -1,5 +1,6 @@
 """V2 input prep: persistent input buffers, the per-step InputBatch, and the Triton
-kernels that build positions, seq_lens, input_ids and logits_indices on the device.
+kernels that build positions, seq_lens, input_ids and logits_indices on the device; the
+batch also carries the step's block table and slot mapping (BlockTables.prepare).
 
 The host computes only what it knows exactly and cheaply (the batch order, idx_mapping
 and query_start_loc, from the scheduler's token counts). Everything that depends on
@@ -23,6 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from runner_v2.block_tables import BlockTables
 from runner_v2.states import RequestState
 from runner_v2.uva import async_copy_to_device
 from shared.attention.metadata import count_leading_decodes
@@ -50,7 +52,8 @@ class InputBuffers:
 
 @dataclass(frozen=True)
 class InputBatch:
-    """One step's batch: views of InputBuffers plus host-side sizes."""
+    """One step's batch: views of InputBuffers and of BlockTables' per-step buffers, plus
+    host-side sizes."""
 
     req_ids: list[str]  # batch order
     num_reqs: int
@@ -72,6 +75,9 @@ class InputBatch:
     num_decodes: int  # leading rows with query length 1
     num_decode_tokens: int
     is_uniform_decode: bool  # every row has query length 1
+    # batch order, rows past num_reqs zeroed
+    block_table: torch.Tensor  # int32 [num_reqs_padded, max_num_blocks_per_req], device
+    slot_mapping: torch.Tensor  # int64 [num_tokens_padded], device, PAD past num_tokens
 
 
 def gather_batch_req_state(
@@ -174,10 +180,12 @@ def prepare_inputs(
     num_tokens_padded: int,
     state: RequestState,
     buffers: InputBuffers,
+    block_tables: BlockTables,
 ) -> InputBatch:
     """Fill the persistent buffers for one step (batch already ordered) and return the
     step's views. Two small H2D copies (idx_mapping, query_start_loc), then one
-    launch; no sync."""
+    input-prep launch and BlockTables.prepare's one launch (which reads the positions
+    the first one writes); no sync."""
     num_reqs = len(req_ids)
     assert idx_mapping_np.shape == (num_reqs,) and num_scheduled_tokens_np.shape == (num_reqs,)
     num_tokens = int(num_scheduled_tokens_np.sum())
@@ -201,6 +209,10 @@ def prepare_inputs(
     seq_lens_np[:num_reqs] = nc_np + num_scheduled_tokens_np
     num_decodes = count_leading_decodes(num_scheduled_tokens_np)
     max_query_len = int(num_scheduled_tokens_np.max()) if num_reqs else 0
+    positions = buffers.positions[:num_tokens_padded]
+    block_table, slot_mapping = block_tables.prepare(
+        idx_mapping, query_start_loc, positions, num_reqs_padded, num_tokens_padded
+    )
     return InputBatch(
         req_ids=list(req_ids),
         num_reqs=num_reqs,
@@ -217,11 +229,13 @@ def prepare_inputs(
         max_query_len=max_query_len,
         max_seq_len=int(seq_lens_np.max()) if num_reqs else 0,
         input_ids=buffers.input_ids[:num_tokens_padded],
-        positions=buffers.positions[:num_tokens_padded],
+        positions=positions,
         logits_indices=buffers.logits_indices[:num_reqs],
         num_decodes=num_decodes,
         num_decode_tokens=num_decodes,
         is_uniform_decode=num_reqs > 0 and max_query_len == 1,
+        block_table=block_table,
+        slot_mapping=slot_mapping,
     )
 
 

@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from policy.config import EngineConfig
 from runner_v2.async_output import AsyncModelRunnerOutput
 from runner_v2.block_tables import BlockTables
 from runner_v2.cudagraph import CudaGraphManager
@@ -25,6 +26,7 @@ from runner_v2.sample.sampler import Sampler
 from runner_v2.sample.states import SamplingStates
 from runner_v2.states import RequestState
 from shared.attention.metadata import CommonAttentionMetadata
+from shared.contract.sampler_output import SamplerOutput
 from shared.contract.step import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
 from shared.runtime.model_executor import ModelExecutor
 from shared.runtime.runner_base import RunnerSetupMixin
@@ -46,7 +48,7 @@ class GPUModelRunner(RunnerSetupMixin):
     # this step's tokens reach the host (the engine's async_scheduling).
     supports_async_scheduling = True
 
-    def __init__(self, config: Any, device: torch.device):
+    def __init__(self, config: EngineConfig, device: torch.device):
         self.config = config
         self.device = device
         sc = config.scheduler_config
@@ -184,24 +186,22 @@ class GPUModelRunner(RunnerSetupMixin):
         num_tokens_padded = desc.num_tokens if desc is not None else num_tokens
         batch = prepare_inputs(
             req_ids, idx_mapping_np, num_scheduled, num_reqs_padded, num_tokens_padded,
-            self.req_states, self.buffers,
-        )
-        self._block_table, self._slot_mapping = self.block_tables.prepare(
-            batch.idx_mapping, batch.query_start_loc, batch.positions, num_reqs_padded,
-            num_tokens_padded,
+            self.req_states, self.buffers, self.block_tables,
         )
         return batch, desc
 
     def _common_metadata(self, batch: InputBatch) -> CommonAttentionMetadata:
         # host copies: exact here (the scheduler's counts) and used only by TORCH
         return CommonAttentionMetadata.for_batch(
-            batch, self._block_table, self._slot_mapping, self.block_size,
+            batch, batch.block_table, batch.slot_mapping, self.block_size,
             query_start_loc_cpu=torch.from_numpy(batch.query_start_loc_np),
             seq_lens_cpu=torch.from_numpy(batch.seq_lens_np),
         )
 
     # ---- output -------------------------------------------------------------------------
-    def _make_async_output(self, batch: InputBatch, out, num_logprobs: np.ndarray):
+    def _make_async_output(
+        self, batch: InputBatch, out: SamplerOutput, num_logprobs: np.ndarray
+    ) -> AsyncModelRunnerOutput:
         n = batch.num_reqs
         req_ids = batch.req_ids
         # Which rows sample, decided on the host from exact scheduler counts.

@@ -32,7 +32,8 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from runner_v2.uva import device_view_of_pinned, is_uva_available, pinned_empty, pinned_zeros
+from runner_v2.uva import device_view_of_pinned, is_uva_available
+from shared.runtime.host_buffers import pinned_empty, pinned_zeros
 from shared.runtime.triton_utils import tl, triton
 
 _SUPPORTED = {torch.int32: np.int32, torch.int64: np.int64, torch.float32: np.float32}

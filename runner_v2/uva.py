@@ -7,43 +7,24 @@ therefore read and write a pinned tensor through a CUDA tensor that wraps the sa
 address: no copy, coherent both ways. V2 keeps large, rarely-read state there
 (all_token_ids) so it costs no device memory.
 
-Without CUDA, pinning is impossible (torch raises), and "the device" is the CPU: every
-helper here falls back to plain CPU tensors, and the Triton kernels that read them run
-under the interpreter.
+Without CUDA, pinning is impossible (torch raises), and "the device" is the CPU: the
+pinned allocations (shared/runtime/host_buffers.py) and every helper here fall back to
+plain CPU tensors, and the Triton kernels that read them run under the interpreter.
 """
 
 from __future__ import annotations
 
-import functools
-
 import numpy as np
 import torch
 
+from shared.runtime.host_buffers import is_pin_memory_available, pinned_empty
 
-@functools.cache
+
 def is_uva_available() -> bool:
     """True when CUDA is present and host memory can be pinned (so mapped)."""
-    if not torch.cuda.is_available():
-        return False
-    try:
-        torch.empty(1, pin_memory=True)
-    except RuntimeError:
-        return False
-    return True
-
-
-def pin_memory_available() -> bool:
-    # Same condition today; a separate name keeps call sites honest about what they need.
-    return is_uva_available()
-
-
-def pinned_empty(shape: int | tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """An uninitialised CPU tensor, page-locked when pinning is possible."""
-    return torch.empty(shape, dtype=dtype, pin_memory=pin_memory_available())
-
-
-def pinned_zeros(shape: int | tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    return torch.zeros(shape, dtype=dtype, pin_memory=pin_memory_available())
+    # The same condition as pinning; a separate name keeps call sites honest about
+    # what they need.
+    return is_pin_memory_available()
 
 
 class _CudaArrayView:

@@ -1,7 +1,7 @@
 """V2's Triton sampler: SamplingStates (per-state-row params on the device), the
 kernels (penalties, top_k_top_p, gumbel, logprobs) and the Sampler entry point."""
 
-from runner_v2.sample.sampler import Sampler, V2SamplerOutput
+from runner_v2.sample.sampler import Sampler
 from runner_v2.sample.states import BatchFlags, SamplingStates
 
-__all__ = ["BatchFlags", "Sampler", "SamplingStates", "V2SamplerOutput"]
+__all__ = ["BatchFlags", "Sampler", "SamplingStates"]

@@ -10,8 +10,6 @@ grid depends only on (num rows, vocab size).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 import torch
 
@@ -20,16 +18,7 @@ from runner_v2.sample.logprobs import compute_logprobs
 from runner_v2.sample.penalties import apply_penalties_and_min_tokens
 from runner_v2.sample.states import SamplingStates
 from runner_v2.sample.top_k_top_p import compute_thresholds
-
-
-@dataclass
-class V2SamplerOutput:
-    sampled_token_ids: torch.Tensor  # int64 [N]
-    # column 0 is the sampled token, then the top max_num_logprobs tokens by raw logit;
-    # rows that asked for fewer (or none) still carry max_num_logprobs columns
-    logprob_token_ids: torch.Tensor | None  # int64 [N, 1 + max_n]
-    logprobs: torch.Tensor | None  # float32 (float64 for fp64 logits) [N, 1 + max_n]
-    ranks: torch.Tensor | None  # int64 [N]
+from shared.contract.sampler_output import SamplerOutput
 
 
 class Sampler:
@@ -43,7 +32,7 @@ class Sampler:
         positions: torch.Tensor,
         max_num_logprobs: int | None,
         idx_mapping_np: np.ndarray | None = None,
-    ) -> V2SamplerOutput:
+    ) -> SamplerOutput:
         """logits [N, V]; idx_mapping int32 [N] (batch row -> state row); positions
         int64 [N] (position of each logit's input token). idx_mapping_np, the host copy
         of idx_mapping when the caller has it, narrows the stage decision to the batch;
@@ -62,6 +51,6 @@ class Sampler:
             )
         sampled = gumbel_sample(x, idx_mapping, positions, st.temperature, st.seeds, threshold)
         if max_num_logprobs is None:
-            return V2SamplerOutput(sampled, None, None, None)
+            return SamplerOutput(sampled, None, None, None)
         ids, logprobs, ranks = compute_logprobs(logits, sampled, max_num_logprobs)
-        return V2SamplerOutput(sampled, ids, logprobs, ranks)
+        return SamplerOutput(sampled, ids, logprobs, ranks)

@@ -7,6 +7,9 @@ where an impl offers `fuses_kv_write(metadata) -> bool` and it says yes for the 
 then the layer calls `forward_with_kv_write(query, key, value, key_cache, value_cache,
 metadata, output)` instead, which must leave the cache as write_kv would (TRITON does
 this for uniform-decode batches).
+
+What a backend can do is declared on its class (`supports_full_cudagraph`); the runners
+read those flags, never the backend's name.
 """
 
 from __future__ import annotations
@@ -34,9 +37,14 @@ class AttentionImpl(Protocol):
 
 
 class AttentionBackend:
-    """Base class: subclasses set `name` and implement the two factories."""
+    """Base class: subclasses set `name`, declare their capabilities and implement the
+    two factories."""
 
     name: ClassVar[str]
+    # The metadata build and the forward can be captured inside a FULL CUDA graph: they
+    # read no lengths on the host (a sync, and values a replay would not refresh). PIECEWISE
+    # graphs run attention eagerly between the pieces, so every backend can serve them.
+    supports_full_cudagraph: ClassVar[bool]
 
     @staticmethod
     def kv_cache_shape(

@@ -123,6 +123,7 @@ class FlashAttnImpl:
 
 class FlashAttnBackend(AttentionBackend):
     name = "FLASH_ATTN"
+    supports_full_cudagraph = True
 
     def __init__(self) -> None:
         _import_flash_attn()  # fail at selection time, with the install advice

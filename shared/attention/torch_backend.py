@@ -73,6 +73,7 @@ class TorchAttentionImpl:
 
 class TorchBackend(AttentionBackend):
     name = "TORCH"
+    supports_full_cudagraph = False  # reads lengths on the host
 
     def make_builder(self, device: torch.device) -> TorchMetadataBuilder:
         return TorchMetadataBuilder()

@@ -164,6 +164,7 @@ class TritonAttentionImpl:
 
 class TritonBackend(AttentionBackend):
     name = "TRITON"
+    supports_full_cudagraph = True
 
     def __init__(
         self, num_splits: int | None = None, max_num_splits: int = DEFAULT_MAX_NUM_SPLITS

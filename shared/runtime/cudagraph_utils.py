@@ -1,17 +1,25 @@
-"""CUDA-graph helpers both runners use: the padding ladder and the batch predicates.
+"""CUDA-graph helpers both runners use: the padding ladder, the batch predicates, the
+dummy decode a FULL graph is captured over, and the FULL-graph capture loop.
 
 The capture sizes themselves are resolved once in policy's CompilationConfig; here is
-only the arithmetic on them.
+only the arithmetic on them. Dispatch stays in each runner: V1 picks the graph through
+the forward context (implicit), V2 replays it by descriptor (explicit).
 """
 
 from __future__ import annotations
 
 import bisect
+import logging
+import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import Any, Protocol
 
 import torch
 
 from shared.attention.metadata import PAD_SLOT_ID, CommonAttentionMetadata
+
+logger = logging.getLogger("runnerlab")
 
 
 def padded_size(num: int, capture_sizes: list[int]) -> int | None:
@@ -75,3 +83,66 @@ def fill_dummy_decode(
         num_decode_tokens=size,
         block_size=block_size,
     )
+
+
+class Replayable(Protocol):
+    def replay(self) -> None: ...
+
+
+# A captured FULL graph per descriptor, with the output tensor its replays overwrite.
+FullGraphs = dict[BatchDescriptor, tuple[Replayable, torch.Tensor]]
+
+
+def record_cuda_graph(
+    body: Callable[[], torch.Tensor], pool: Any
+) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    """Capture `body` in a CUDA graph allocating from `pool`; -> (graph, body's output)."""
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        output = body()
+    return graph, output
+
+
+def capture_full_graphs(
+    sizes: Iterable[int],
+    fill_inputs: Callable[[int], CommonAttentionMetadata],
+    forward: Callable[[int, CommonAttentionMetadata], torch.Tensor],
+    pool: Any,
+    label: str,
+    record: Callable[[Callable[[], torch.Tensor], Any], tuple[Replayable, torch.Tensor]] = (
+        record_cuda_graph
+    ),
+) -> FullGraphs:
+    """One FULL graph per capture size, keyed BatchDescriptor("FULL", size, size).
+
+    Per size, largest first (its temporaries size the pool; smaller sizes reuse them):
+    `fill_inputs(size)` writes a dummy decode into the runner's persistent buffers and
+    returns its metadata, `forward(size, metadata)` runs once eagerly (Triton JIT and
+    allocator warm-up outside the capture), then the buffers are filled again and only
+    `forward` is recorded. The filling stays OUTSIDE the graph: captured, every replay
+    would reset the step's real inputs to the dummy batch. The graphs read the buffers'
+    addresses, so those buffers must never be reallocated.
+
+    `record` captures (tests on CPU pass an eager stand-in); `label` names the runner
+    in the log line."""
+    sizes = sorted(sizes)
+    on_cuda = torch.cuda.is_available()
+    start = time.perf_counter()
+    free_before = torch.cuda.mem_get_info()[0] if on_cuda else 0
+    graphs: FullGraphs = {}
+    for size in reversed(sizes):
+        forward(size, fill_inputs(size))  # eager warm-up
+        if on_cuda:
+            torch.cuda.synchronize()
+        metadata = fill_inputs(size)
+        graphs[BatchDescriptor("FULL", size, size)] = record(
+            lambda s=size, m=metadata: forward(s, m), pool
+        )
+    if on_cuda:
+        torch.cuda.synchronize()
+        logger.info(
+            "%s captured %d FULL graphs (sizes %d..%d) in %.2f s, %.1f MB of graph memory",
+            label, len(graphs), sizes[0], sizes[-1], time.perf_counter() - start,
+            (free_before - torch.cuda.mem_get_info()[0]) / 1e6,
+        )
+    return graphs

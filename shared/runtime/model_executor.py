@@ -9,13 +9,16 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from shared.attention.metadata import CommonAttentionMetadata
 from shared.attention.selector import get_attn_backend
 from shared.runtime.forward_context import set_forward_context
+
+if TYPE_CHECKING:
+    from policy.config import EngineConfig
 
 logger = logging.getLogger("runnerlab")
 
@@ -35,7 +38,7 @@ def torch_dtype(name: str) -> torch.dtype:
 
 
 class ModelExecutor:
-    def __init__(self, config: Any, device: torch.device):
+    def __init__(self, config: EngineConfig, device: torch.device):
         self.config = config
         self.device = device
         mc = config.model_config

@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from policy.config import EngineConfig
 from shared.contract.outputs import CompletionOutput, RequestOutput
 from shared.contract.sampling_params import SamplingParams, SamplingParamsError
 from shared.contract.step import SchedulerOutput
@@ -46,7 +47,7 @@ def resolve_runner_class(path: str) -> type:
 
 
 class LLMEngine:
-    def __init__(self, config: Any):
+    def __init__(self, config: EngineConfig):
         self.config = config
         self.decision = config.runner_decision
         self.runner_name: str = self.decision.runner

@@ -137,6 +137,6 @@ def test_padded_piecewise_step_writes_exactly_the_real_slots() -> None:
     stats = engine.runner.step_stats
     assert (stats.num_reqs, stats.num_tokens, stats.cudagraph_mode) == (2, 33, "PIECEWISE")
     assert padded_size(33, SIZES) == 48
-    real = engine.runner.input_batch.block_table.slot_mapping.np[:33].tolist()
+    real = engine.runner.persistent_batch.block_table.slot_mapping.np[:33].tolist()
     assert len(set(real)) == 33
     assert _changed_slots(before, kv) == set(real)

@@ -5,8 +5,9 @@ import pytest
 import torch
 
 from runner_v1.block_table import BlockTable
-from runner_v1.buffers import CpuGpuBuffer, is_pin_memory_available
+from runner_v1.buffers import CpuGpuBuffer
 from shared.attention.metadata import PAD_SLOT_ID
+from shared.runtime.host_buffers import is_pin_memory_available
 
 R, B, T, BS = 5, 4, 32, 8
 

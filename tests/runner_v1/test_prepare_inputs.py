@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from runner_v1.input_batch import InputBatch
+from runner_v1.persistent_batch import PersistentBatch
 from runner_v1.prepare_inputs import (
     InputBuffers,
     compute_req_indices,
@@ -17,7 +17,7 @@ from shared.contract.sampling_params import SamplingParams
 
 
 def make_batch(max_num_reqs, max_model_len, max_tokens, block_size, device="cpu"):
-    batch = InputBatch(max_num_reqs, max_model_len, max_tokens, 1000, block_size, device)
+    batch = PersistentBatch(max_num_reqs, max_model_len, max_tokens, 1000, block_size, device)
     buffers = InputBuffers(max_num_reqs, max_tokens, device)
     return batch, buffers
 

@@ -42,7 +42,7 @@ class Row:
 
 
 def make_metadata(rows: list[Row], vocab_size: int) -> tuple[SamplingMetadata, torch.Tensor]:
-    """What runner_v1's InputBatch builds, written out directly for the test."""
+    """What runner_v1's PersistentBatch builds, written out directly for the test."""
     sps = [r.params for r in rows]
 
     def f32(vals):

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 import runner_v2.input_batch as ib
+from runner_v2.block_tables import BlockTables
 from runner_v2.input_batch import (
     InputBuffers,
     gather_batch_req_state,
@@ -16,7 +17,7 @@ from runner_v2.input_batch import (
 )
 from runner_v2.states import RequestState
 
-R, MAX_LEN, T, V = 8, 64, 128, 1000
+R, MAX_LEN, T, V, BLOCK_SIZE = 8, 64, 128, 1000, 16
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 
 
@@ -45,6 +46,7 @@ class _Setup:
     def __init__(self, rng, device):
         self.state = RequestState(R, MAX_LEN, T, V, device)
         self.buffers = InputBuffers(R, T, device)
+        self.block_tables = BlockTables(R, MAX_LEN // BLOCK_SIZE, T, BLOCK_SIZE, device)
         self.tokens: dict[str, np.ndarray] = {}  # full prefill per request
         self.last: dict[str, int] = {}
         # A first occupant in every row, then removed: every row carries stale data.
@@ -106,7 +108,8 @@ def test_mixed_batch_matches_numpy(mixed):
     assert idx_np.tolist() == [state.req_id_to_index[r] for r in req_ids]
     _poison(s.buffers)
     num_reqs_padded, num_tokens_padded = 7, 24
-    batch = prepare_inputs(req_ids, idx_np, q, num_reqs_padded, num_tokens_padded, state, s.buffers)
+    batch = prepare_inputs(req_ids, idx_np, q, num_reqs_padded, num_tokens_padded, state,
+                           s.buffers, s.block_tables)
 
     # NumPy oracle.
     nc = {r: (len(s.tokens[r]) if r in s.last else 0) for r in req_ids}
@@ -154,7 +157,7 @@ def test_one_launch_per_step_decode_and_mixed(mixed, monkeypatch):
     req_ids, idx_np, q = gather_batch_req_state(nst, s.state)
     assert req_ids == ["dec_b", "dec_a"]  # stable among equal keys
     _poison(s.buffers)
-    batch = prepare_inputs(req_ids, idx_np, q, 4, 4, s.state, s.buffers)
+    batch = prepare_inputs(req_ids, idx_np, q, 4, 4, s.state, s.buffers, s.block_tables)
     assert launched == [(3,)]  # one program per row + the padded-tail program
     assert batch.is_uniform_decode and batch.num_decodes == 2
     assert batch.input_ids[:2].tolist() == [777, 555]
@@ -165,15 +168,17 @@ def test_one_launch_per_step_decode_and_mixed(mixed, monkeypatch):
     # A batch with a prefilling row is still one launch.
     nst = {"dec_b": 1, "fresh": 7}
     req_ids, idx_np, q = gather_batch_req_state(nst, s.state)
-    prepare_inputs(req_ids, idx_np, q, 2, 8, s.state, s.buffers)
+    prepare_inputs(req_ids, idx_np, q, 2, 8, s.state, s.buffers, s.block_tables)
     assert launched == [(3,), (3,)]
 
 
 def test_buffers_keep_their_addresses(mixed):
     s, nst = mixed
-    ptrs = [b.data_ptr() for b in (s.buffers.input_ids, s.buffers.positions, s.buffers.seq_lens)]
+    ptrs = [b.data_ptr() for b in (s.buffers.input_ids, s.buffers.positions, s.buffers.seq_lens,
+                                   s.block_tables.input_block_tables, s.block_tables.slot_mappings)]
     for _ in range(2):
         req_ids, idx_np, q = gather_batch_req_state(nst, s.state)
-        batch = prepare_inputs(req_ids, idx_np, q, 8, 32, s.state, s.buffers)
+        batch = prepare_inputs(req_ids, idx_np, q, 8, 32, s.state, s.buffers, s.block_tables)
         assert [batch.input_ids.data_ptr(), batch.positions.data_ptr(),
-                batch.seq_lens.data_ptr()] == ptrs  # fmt: skip
+                batch.seq_lens.data_ptr(), batch.block_table.data_ptr(),
+                batch.slot_mapping.data_ptr()] == ptrs  # fmt: skip

@@ -10,8 +10,8 @@ from runner_v2.uva import (
     async_copy_to_device,
     device_view_of_pinned,
     is_uva_available,
-    pinned_empty,
 )
+from shared.runtime.host_buffers import pinned_empty
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the fallbacks exist only without CUDA")

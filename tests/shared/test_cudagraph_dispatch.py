@@ -1,19 +1,30 @@
 """CUDA-graph dispatch logic, on CPU: the padding ladder, the uniform-decode predicate,
-and each runner's choice between a FULL graph, PIECEWISE graphs (V1) and eager (capture
-itself is GPU-only, tests/gpu/test_runner_cudagraph_gpu.py, tests/gpu/test_piecewise_gpu.py)."""
+each runner's choice between a FULL graph, PIECEWISE graphs (V1) and eager, and the order
+of the shared FULL capture loop with an eager stand-in for the recording (capture itself
+is GPU-only, tests/gpu/test_runner_cudagraph_gpu.py, tests/gpu/test_piecewise_gpu.py)."""
 
 from __future__ import annotations
 
 from types import SimpleNamespace
 
 import numpy as np
+import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
 from policy.config import default_capture_sizes
 from runner_v1.cudagraph import V1CudaGraphs
 from runner_v2.cudagraph import CudaGraphManager
-from shared.runtime.cudagraph_utils import BatchDescriptor, is_uniform_decode, padded_size
+from shared.attention.flash_attn_backend import FlashAttnBackend
+from shared.attention.selector import BACKEND_NAMES
+from shared.attention.torch_backend import TorchBackend
+from shared.attention.triton_backend import TritonBackend
+from shared.runtime.cudagraph_utils import (
+    BatchDescriptor,
+    capture_full_graphs,
+    is_uniform_decode,
+    padded_size,
+)
 
 LADDER = default_capture_sizes(512)
 
@@ -48,8 +59,12 @@ def _config(mode: str, sizes: list[int], max_num_seqs: int = 512,
     )
 
 
+BACKENDS = {"TORCH": TorchBackend, "TRITON": TritonBackend, "FLASH_ATTN": FlashAttnBackend}
+
+
 def _executor(backend: str = "TRITON"):
-    return SimpleNamespace(backend=SimpleNamespace(name=backend), block_size=16)
+    # the class: the graph managers read only its declared capabilities (and name)
+    return SimpleNamespace(backend=BACKENDS[backend], block_size=16)
 
 
 def _v1(mode: str = "FULL_AND_PIECEWISE", backend: str = "TRITON", sizes: list[int] = LADDER,
@@ -121,6 +136,12 @@ def test_v1_nothing_before_capture_and_nothing_for_an_empty_step() -> None:
     assert _plan(graphs, [1, 1]) == ("NONE", 2, 2)
 
 
+def test_backends_declare_whether_they_run_inside_a_full_graph() -> None:
+    assert {n: cls.supports_full_cudagraph for n, cls in BACKENDS.items()} == {
+        "TORCH": False, "TRITON": True, "FLASH_ATTN": True}
+    assert set(BACKENDS) == set(BACKEND_NAMES)
+
+
 def test_v1_graphs_off_on_cpu_and_full_off_for_the_torch_oracle() -> None:
     cpu = V1CudaGraphs(_config("FULL", LADDER), SimpleNamespace(type="cpu"), _executor(), None, None)
     assert not cpu.enabled
@@ -151,3 +172,53 @@ def test_v2_dispatch_returns_a_descriptor_only_for_captured_uniform_decode() -> 
     assert manager.dispatch(num_reqs=5, num_tokens=5, max_query_len=1) == BatchDescriptor("FULL", 8, 8)
     assert manager.dispatch(num_reqs=5, num_tokens=9, max_query_len=5) is None  # mixed: eager
     assert manager.dispatch(num_reqs=513, num_tokens=513, max_query_len=1) is None  # too big
+
+
+def test_v2_graphs_need_cuda_and_a_backend_that_runs_inside_a_full_graph() -> None:
+    def enabled(device: str, backend: str) -> bool:
+        return CudaGraphManager(_config("FULL", LADDER), SimpleNamespace(type=device),
+                                _executor(backend), None, None).enabled
+
+    assert enabled("cuda", "TRITON") and enabled("cuda", "FLASH_ATTN")
+    assert not enabled("cuda", "TORCH")  # it reads lengths on the host: not capturable
+    assert not enabled("cpu", "TRITON")
+
+
+def test_full_capture_warms_up_then_records_only_the_forward_largest_size_first() -> None:
+    events: list[tuple] = []
+    recording = [False]
+
+    def fill(size: int):
+        assert not recording[0], "the dummy inputs must be written outside the graph"
+        events.append(("fill", size))
+        return f"metadata {size}"
+
+    def forward(size: int, metadata) -> torch.Tensor:
+        events.append(("forward", size, metadata, "recorded" if recording[0] else "eager"))
+        return torch.full((size,), size)
+
+    class _Recorded:
+        def __init__(self, body) -> None:
+            self.body = body
+
+        def replay(self) -> None:
+            self.body()
+
+    def record(body, pool):
+        assert pool == "the pool"
+        recording[0] = True
+        try:
+            return _Recorded(body), body()
+        finally:
+            recording[0] = False
+
+    graphs = capture_full_graphs([2, 1, 4], fill, forward, "the pool", "test", record=record)
+    assert events == [e for s in (4, 2, 1) for e in (
+        ("fill", s), ("forward", s, f"metadata {s}", "eager"),
+        ("fill", s), ("forward", s, f"metadata {s}", "recorded"))]
+    assert list(graphs) == [BatchDescriptor("FULL", s, s) for s in (4, 2, 1)]
+    for desc, (graph, output) in graphs.items():
+        assert torch.equal(output, torch.full((desc.num_tokens,), desc.num_tokens))
+        events.clear()
+        graph.replay()  # replays the forward over the inputs of the capture
+        assert events == [("forward", desc.num_tokens, f"metadata {desc.num_tokens}", "eager")]

@@ -18,7 +18,7 @@ import torch
 
 from runner_v1.batch_update import BatchUpdate, BatchUpdateBuilder, MoveDirectionality
 from runner_v1.block_table import BlockTable
-from runner_v1.buffers import CpuGpuBuffer, make_cpu_tensor
+from runner_v1.buffers import CpuGpuBuffer
 from runner_v1.request_state import CachedRequestState
 from runner_v1.sampling_metadata import SamplingMetadata
 from runner_v1.sampling_metadata_builder import (
@@ -26,8 +26,8 @@ from runner_v1.sampling_metadata_builder import (
     make_sampling_metadata,
 )
 
-# Every row-indexed field of InputBatch, by attribute name. condense() and swap_states()
-# move exactly these; add a field here when you add one to __init__.
+# Every row-indexed field of PersistentBatch, by attribute name. condense() and
+# swap_states() move exactly these; add a field here when you add one to __init__.
 ROW_FIELDS: tuple[str, ...] = (
     # Python lists (request ids, references to output lists, stop ids)
     "_req_ids", "req_output_token_ids", "stop_token_ids",
@@ -45,7 +45,7 @@ ROW_FIELDS: tuple[str, ...] = (
 ROW_PREFIX_COUNTS: dict[str, str] = {"token_ids": "num_tokens"}
 
 
-class InputBatch:
+class PersistentBatch:
     ROW_FIELDS = ROW_FIELDS
     ROW_PREFIX_COUNTS = ROW_PREFIX_COUNTS
 
@@ -73,7 +73,7 @@ class InputBatch:
         # The token table is never copied to the device as a whole (input prep gathers
         # from it into a pinned buffer), so it is not pinned: pinning R x max_model_len
         # int32 would lock up to hundreds of MiB. `token_ids_cpu` is the same memory.
-        self.token_ids_cpu = make_cpu_tensor(R, max_model_len, dtype=torch.int32, pin_memory=False)
+        self.token_ids_cpu = torch.zeros(R, max_model_len, dtype=torch.int32)
         self.token_ids: np.ndarray = self.token_ids_cpu.numpy()
         # Host-only counters (read by NumPy input prep, never copied as they are).
         self.num_tokens = np.zeros(R, dtype=np.int32)  # prefill + generated, per row
@@ -165,7 +165,7 @@ class InputBatch:
         elif self._num_rows < self.max_num_reqs:
             row = self._num_rows
         else:
-            raise RuntimeError(f"InputBatch is full ({self.max_num_reqs} rows)")
+            raise RuntimeError(f"PersistentBatch is full ({self.max_num_reqs} rows)")
         # Recorded first: the builder refuses an add after a move, before anything changed.
         self.batch_update_builder.added(
             row, req_id, request.sampling_params, request.output_token_ids

@@ -1,4 +1,4 @@
-"""InputBatch against a plain-Python model of the rows, and a field-enumeration check
+"""PersistentBatch against a plain-Python model of the rows, and a field-enumeration check
 that every row-indexed field moves with its request."""
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from hypothesis.stateful import (
 from runner_v1.batch_update import replay_batch_update
 from runner_v1.block_table import BlockTable
 from runner_v1.buffers import CpuGpuBuffer
-from runner_v1.input_batch import ROW_FIELDS, InputBatch
+from runner_v1.persistent_batch import ROW_FIELDS, PersistentBatch
 from runner_v1.request_state import CachedRequestState
 from shared.contract.sampling_params import SamplingParams
 
@@ -28,7 +28,7 @@ R, MAX_MODEL_LEN, MAX_TOKENS, VOCAB, BLOCK_SIZE = 6, 40, 64, 50, 4
 MAX_BLOCKS = -(-MAX_MODEL_LEN // BLOCK_SIZE)
 
 
-def make_batch(cls: type[InputBatch] = InputBatch) -> InputBatch:
+def make_batch(cls: type[PersistentBatch] = PersistentBatch) -> PersistentBatch:
     return cls(R, MAX_MODEL_LEN, MAX_TOKENS, VOCAB, BLOCK_SIZE, "cpu")
 
 
@@ -113,7 +113,7 @@ def expected_min_tokens_stop_ids(layout: list, states: dict) -> dict[int, list[i
     return result
 
 
-def check_request_at_row(batch: InputBatch, state: CachedRequestState, row: int) -> None:
+def check_request_at_row(batch: PersistentBatch, state: CachedRequestState, row: int) -> None:
     assert batch.req_id_to_index[state.req_id] == row
     assert batch.req_ids[row] == state.req_id
     n = state.num_tokens
@@ -152,7 +152,7 @@ sampling_params_st = st.builds(
 tokens_st = st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=10)
 
 
-class InputBatchMachine(RuleBasedStateMachine):
+class PersistentBatchMachine(RuleBasedStateMachine):
     @initialize()
     def setup(self) -> None:
         self.batch = make_batch()
@@ -346,8 +346,8 @@ class InputBatchMachine(RuleBasedStateMachine):
         assert not batch.block_table.np[len(self.layout):].any()
 
 
-TestInputBatchMachine = InputBatchMachine.TestCase
-TestInputBatchMachine.settings = settings(
+TestPersistentBatchMachine = PersistentBatchMachine.TestCase
+TestPersistentBatchMachine.settings = settings(
     max_examples=60, stateful_step_count=40, deadline=None,
     suppress_health_check=[HealthCheck.too_slow],
 )
@@ -369,7 +369,7 @@ def _storage_key(value) -> tuple | None:
     return None
 
 
-def discover_row_storages(batch: InputBatch) -> dict[tuple, tuple[str, object]]:
+def discover_row_storages(batch: PersistentBatch) -> dict[tuple, tuple[str, object]]:
     """Every row-indexed array / tensor / list on the instance (block table included),
     found by introspection: first dimension == max_num_reqs."""
     found: dict[tuple, tuple[str, object]] = {}
@@ -388,7 +388,7 @@ def discover_row_storages(batch: InputBatch) -> dict[tuple, tuple[str, object]]:
     return found
 
 
-def declared_row_storages(batch: InputBatch) -> set[tuple]:
+def declared_row_storages(batch: PersistentBatch) -> set[tuple]:
     keys = set()
     for name in batch.ROW_FIELDS:
         value = getattr(batch, name)
@@ -398,13 +398,13 @@ def declared_row_storages(batch: InputBatch) -> set[tuple]:
     return keys
 
 
-def undeclared_row_fields(batch: InputBatch) -> list[str]:
+def undeclared_row_fields(batch: PersistentBatch) -> list[str]:
     found = discover_row_storages(batch)
     declared = declared_row_storages(batch)
     return sorted(name for key, (name, _) in found.items() if key not in declared)
 
 
-def fill_batch_with_distinct_rows(batch: InputBatch) -> dict[str, object]:
+def fill_batch_with_distinct_rows(batch: PersistentBatch) -> dict[str, object]:
     for r in range(R):
         batch.add_request(make_state(f"q{r}", [r] * (r + 1), SamplingParams(
             seed=r, stop_token_ids=[r + 3])))
@@ -432,7 +432,7 @@ def _snapshot(array):
     return list(array) if isinstance(array, list) else array.copy()
 
 
-def _valid_width(batch: InputBatch, name: str, row_values: dict, row: int) -> int | None:
+def _valid_width(batch: PersistentBatch, name: str, row_values: dict, row: int) -> int | None:
     """Columns of a 2-D row that are meant to move: the counted prefix."""
     if name == "block_table.block_table":
         return int(row_values["block_table.num_blocks_per_row"][row])
@@ -440,7 +440,7 @@ def _valid_width(batch: InputBatch, name: str, row_values: dict, row: int) -> in
     return int(row_values[count_name][row]) if count_name else None
 
 
-def check_condense_moves_every_field(batch: InputBatch) -> None:
+def check_condense_moves_every_field(batch: PersistentBatch) -> None:
     before = fill_batch_with_distinct_rows(batch)
     snap = {name: snap for name, (_, snap) in before.items()}
     batch.remove_request("q1")
@@ -457,7 +457,7 @@ def check_condense_moves_every_field(batch: InputBatch) -> None:
                 f"{name}: row {src} was not moved to row {dst} by condense()")
 
 
-def check_swap_swaps_every_field(batch: InputBatch) -> None:
+def check_swap_swaps_every_field(batch: PersistentBatch) -> None:
     before = fill_batch_with_distinct_rows(batch)
     snap = {name: snap for name, (_, snap) in before.items()}
     batch.swap_states(1, 4)
@@ -488,13 +488,13 @@ def test_swap_states_swaps_every_row_field():
     check_swap_swaps_every_field(make_batch())
 
 
-class _BatchWithUndeclaredField(InputBatch):
+class _BatchWithUndeclaredField(PersistentBatch):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.bad_words_mask = np.zeros((self.max_num_reqs, 3), dtype=bool)
 
 
-class _BatchWithForgottenField(InputBatch):
+class _BatchWithForgottenField(PersistentBatch):
     ROW_FIELDS = tuple(f for f in ROW_FIELDS if f != "top_p")
 
 
