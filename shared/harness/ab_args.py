@@ -178,6 +178,11 @@ def concurrency(settings: dict) -> int:
         needs.append(max(settings["batches"]))
     if "churn" in settings["workloads"]:
         needs.append(settings["churn"][0])
+    if "throughput" in settings["workloads"]:
+        # nano-vllm's workload runs as many of its 256 requests at once as the engine
+        # admits: the engine gets the decode ladder's top (the default's 1024 on a GPU),
+        # whether or not the ladder itself runs, as every published throughput run had.
+        needs.append(max(settings["batches"]))
     return max(needs)
 
 

@@ -249,3 +249,17 @@ def test_threads_default_to_one_on_cpu_and_the_flag_sets_them(tmp_path, monkeypa
     assert json.loads((tmp_path / "ab.json").read_text())["settings"]["threads"] == 2
     assert seen == [1, 2]  # what the measurement ran with
     assert torch.get_num_threads() == before  # and the process's setting is given back
+
+
+def test_throughput_engines_admit_the_ladders_top_whatever_the_workloads() -> None:
+    """nano-vllm's 256 requests run as many at once as the engine admits: a throughput-only
+    run must size max_num_seqs like a full one (a run that left it at 16 measured a quarter
+    of the throughput, with a different batch history in the async engine)."""
+    full = ab_args._settings(ab_args.build_parser().parse_args([]), "cuda", ["v1", "v2"])
+    only = ab_args._settings(ab_args.build_parser().parse_args(["--workloads", "throughput"]),
+                             "cuda", ["v1", "v2"])
+    assert ab_args.concurrency(only) == ab_args.concurrency(full) == max(ab_args.GPU_SIZES.batches)
+    decode = ab_args._settings(
+        ab_args.build_parser().parse_args(["--workloads", "decode", "--batch-sizes", "1,4"]),
+        "cuda", ["v1", "v2"])
+    assert ab_args.concurrency(decode) == 4
