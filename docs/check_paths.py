@@ -6,7 +6,22 @@ Scans README.md and docs/**/*.md for markdown link targets and for repository pa
 an attribute (`runner_v1/sampler.greedy_argmax`) resolves through its .py file; a glob
 must match a file. A journal (docs/journal/) is a record: it may name a path that has
 since been removed, if its "Paths since removed" list names the path and the commit that
-removed it (checked with git). Exit status 1 on any miss.
+removed it (checked with git).
+
+Line references. In README.md and docs/**/*.md outside docs/journal/ (a journal's line
+numbers describe the code of its day), a reference to a line is written
+
+    [`runner_v1/model_runner.py:87`](../runner_v1/model_runner.py#L87) `execute_model`
+
+or, without the link, `runner_v1/model_runner.py:87` `execute_model`: the path in
+backticks, a colon and the line number, then (after spaces) the symbol in backticks.
+For each one the checker requires that the file exists and has at least that many lines,
+that a link goes to the same file with the anchor #L<same line>, and that the symbol is
+given and its name (the part after the last dot: `Sampler.__call__` -> `__call__`) occurs
+as a whole word on that line. Point at the symbol's def / class / assignment line. When
+code moves, a stale reference is reported with the line(s) where the name is now defined.
+
+Exit status 1 on any missing path or wrong line reference.
 
     python docs/check_paths.py [-v]
 """
@@ -26,6 +41,12 @@ PATH = re.compile(r"(?<![\w./-])((?:" + ROOT_ALTERNATIVES + r")/[\w./*-]*)")
 LINK = re.compile(r"\]\(([^)\s]+)\)")
 REMOVED = re.compile(r"^- `([^`]+)`: removed in ([0-9a-f]{7,40})\b", re.M)
 SKIP_DIRS = {".git", ".venv", ".ci-venv", "node_modules", ".whl"}
+# `path:N`, optionally linked ([`path:N`](target)), optionally followed by `symbol`.
+LINE_REF = re.compile(
+    r"(?<![\w./-])`(?P<path>(?:" + ROOT_ALTERNATIVES + r")/[\w./-]+):(?P<line>\d+)`"
+    r"(?:\]\((?P<target>[^)\s]+)\))?"
+    r"(?:[ \t]+`(?P<symbol>[A-Za-z_][\w.]*)`)?"
+)
 
 
 def resolves(path: str, base: Path) -> bool:
@@ -68,6 +89,59 @@ def code_references(source: Path) -> list[tuple[int, str, Path]]:
             for path in PATH.findall(line) if path.startswith("docs/")]
 
 
+def line_reference_error(doc: Path, match: re.Match) -> str | None:
+    """What is wrong with one `path:N` `symbol` reference of `doc`, or None."""
+    path, number, target, symbol = match.group("path", "line", "target", "symbol")
+    n = int(number)
+    source = ROOT / path
+    if not source.is_file():
+        return f"{path} is not a file"
+    lines = source.read_text().splitlines()
+    if not 1 <= n <= len(lines):
+        return f"{path} has {len(lines)} lines, not {n}"
+    if target is not None:
+        target_path, _, anchor = target.partition("#")
+        if (doc.parent / target_path).resolve() != source.resolve():
+            return f"the link goes to {target_path}, not to {path}"
+        if anchor != f"L{n}":
+            return f"the link's anchor is #{anchor}, not #L{n}"
+    if symbol is None:
+        return "no `symbol` follows it, so the line cannot be checked"
+    name = symbol.rsplit(".", 1)[-1]
+    if re.search(rf"(?<!\w){re.escape(name)}(?!\w)", lines[n - 1]):
+        return None
+    defined = [i for i, text in enumerate(lines, 1) if re.match(
+        rf"\s*(?:(?:async\s+)?def|class)\s+{re.escape(name)}\b|\s*{re.escape(name)}\s*[:=]",
+        text)]
+    where = (f"`{name}` is defined at line {', '.join(map(str, defined[:5]))}" if defined
+             else f"`{name}` is defined nowhere in {path}")
+    return f"line {n} reads {lines[n - 1].strip()[:60]!r}; {where}"
+
+
+def line_reference_docs() -> list[Path]:
+    return [d for d in [ROOT / "README.md", *files("docs/**/*.md")]
+            if "journal" not in d.relative_to(ROOT).parts]
+
+
+def check_line_references(verbose: bool) -> tuple[int, int]:
+    """-> (references checked, references wrong); prints the wrong ones."""
+    checked = wrong = 0
+    for doc in line_reference_docs():
+        for n, text in enumerate(doc.read_text().splitlines(), 1):
+            for match in LINE_REF.finditer(text):
+                checked += 1
+                where = f"{doc.relative_to(ROOT)}:{n}"
+                ref = match.group("path") + ":" + match.group("line")
+                error = line_reference_error(doc, match)
+                if error is None:
+                    if verbose:
+                        print(f"ok       {where}: {ref} `{match.group('symbol')}`")
+                else:
+                    wrong += 1
+                    print(f"WRONG    {where}: {ref}: {error}")
+    return checked, wrong
+
+
 def files(pattern: str) -> list[Path]:
     return sorted(p for p in ROOT.glob(pattern)
                   if not SKIP_DIRS.intersection(p.relative_to(ROOT).parts))
@@ -94,7 +168,9 @@ def main() -> int:
                 missing += 1
                 print(f"MISSING  {where}: {ref}")
     print(f"{checked} references checked, {missing} missing")
-    return 1 if missing else 0
+    line_checked, wrong = check_line_references(verbose)
+    print(f"{line_checked} line references checked, {wrong} wrong")
+    return 1 if missing or wrong else 0
 
 
 if __name__ == "__main__":
