@@ -16,6 +16,7 @@ from policy.config import default_capture_sizes
 from runner_v1.cudagraph import V1CudaGraphs
 from runner_v2.cudagraph import CudaGraphManager
 from shared.attention.flash_attn_backend import FlashAttnBackend
+from shared.attention.null_backend import NullBackend
 from shared.attention.selector import BACKEND_NAMES
 from shared.attention.torch_backend import TorchBackend
 from shared.attention.triton_backend import TritonBackend
@@ -59,7 +60,8 @@ def _config(mode: str, sizes: list[int], max_num_seqs: int = 512,
     )
 
 
-BACKENDS = {"TORCH": TorchBackend, "TRITON": TritonBackend, "FLASH_ATTN": FlashAttnBackend}
+BACKENDS = {"TORCH": TorchBackend, "TRITON": TritonBackend, "FLASH_ATTN": FlashAttnBackend,
+            "NULL": NullBackend}
 
 
 def _executor(backend: str = "TRITON"):
@@ -138,7 +140,7 @@ def test_v1_nothing_before_capture_and_nothing_for_an_empty_step() -> None:
 
 def test_backends_declare_whether_they_run_inside_a_full_graph() -> None:
     assert {n: cls.supports_full_cudagraph for n, cls in BACKENDS.items()} == {
-        "TORCH": False, "TRITON": True, "FLASH_ATTN": True}
+        "TORCH": False, "TRITON": True, "FLASH_ATTN": True, "NULL": True}
     assert set(BACKENDS) == set(BACKEND_NAMES)
 
 
