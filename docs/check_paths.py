@@ -143,8 +143,10 @@ def check_line_references(verbose: bool) -> tuple[int, int]:
 
 
 def files(pattern: str) -> list[Path]:
+    # dot-folders are local copies, caches and virtual environments, never the project
     return sorted(p for p in ROOT.glob(pattern)
-                  if not SKIP_DIRS.intersection(p.relative_to(ROOT).parts))
+                  if not SKIP_DIRS.intersection(p.relative_to(ROOT).parts)
+                  and not any(part.startswith(".") for part in p.relative_to(ROOT).parts[:-1]))
 
 
 def main() -> int:
