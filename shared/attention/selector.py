@@ -1,4 +1,5 @@
-"""Pick the attention backend by name ("auto" | "TORCH" | "TRITON" | "FLASH_ATTN")."""
+"""Pick the attention backend by name ("auto" | "TORCH" | "TRITON" | "FLASH_ATTN" | "NULL";
+NULL is for benchmarks only and is never what "auto" means)."""
 
 from __future__ import annotations
 

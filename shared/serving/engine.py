@@ -1,8 +1,10 @@
 """LLMEngine: config -> runner decision -> runner -> KV cache -> graphs; then steps.
 
-One process, one device, synchronous steps: schedule, execute, sample, update. V2's
-async output object is resolved right after `sample_tokens()` (its copy has already
-overlapped the runner's post-processing by then).
+One process, one device. A step is schedule, execute, sample, update; synchronously, or
+with async scheduling (V2) step N+1 is launched before step N's update. V2's async output
+object is resolved when the update needs it (its copy has overlapped the runner's
+post-processing by then). The engine installs its KernelOptions around its set-up and
+each step, and rolls a failed step back (`_recover_from_failed_step`).
 """
 
 from __future__ import annotations
