@@ -10,7 +10,7 @@ from shared.harness.diff import DiffSetup, build_engine
 from shared.harness.hf_reference import materialize_checkpoint
 from shared.harness.scenario_run import run_scenario
 from shared.harness.scenarios import SCENARIOS, build_scenario
-from tests.shared.test_async_scheduling import assert_async_matches_sync
+from tests.shared.serving.test_async_scheduling import assert_async_matches_sync
 
 pytestmark = pytest.mark.gpu
 

@@ -18,7 +18,7 @@ from runner_v1.cudagraph import CudaGraphWrapper
 from runner_v1.piecewise import PiecewiseGraphs
 from shared.runtime.cudagraph_utils import BatchDescriptor, padded_size
 from shared.runtime.forward_context import set_forward_context
-from tests.shared.test_model_piecewise import (
+from tests.shared.model.test_model_piecewise import (
     BLOCK_SIZE,
     NUM_BLOCKS,
     SplitHarness,

@@ -16,7 +16,7 @@ from shared.model import load_model
 from shared.model.kernels import fused_ops
 from shared.model.layers import RMSNorm, RotaryEmbedding, silu_and_mul
 from shared.runtime.kernel_options import kernel_options
-from tests.shared.test_model_hf import CONFIGS, PagedHarness
+from tests.shared.model.test_model_hf import CONFIGS, PagedHarness
 
 ROPE_PARAMS = {"rope_type": "default", "rope_theta": 10000.0}
 

@@ -12,7 +12,7 @@ from shared.contract.sampling_params import SamplingParams
 from shared.contract.step import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput, TokenLogprobs
 from shared.serving.request import Request, RequestStatus
 from shared.serving.scheduler import Scheduler
-from tests.shared.scheduler_fakes import (
+from tests.shared.serving.scheduler_fakes import (
     FakeRunner,
     expected_output,
     hash_token_fn,

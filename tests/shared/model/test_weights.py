@@ -13,9 +13,9 @@ from transformers import AutoConfig
 
 from shared.model import SUPPORTED_ARCHITECTURES, get_model_class, load_model
 from shared.model.loader import initialize_dummy_weights
-from tests.shared.test_model_hf import CONFIGS, PagedHarness, make_hf_model
+from tests.shared.model.test_model_hf import CONFIGS, PagedHarness, make_hf_model
 
-MODEL_SRC = pathlib.Path(__file__).resolve().parents[2] / "shared" / "model"
+MODEL_SRC = pathlib.Path(__file__).resolve().parents[3] / "shared" / "model"
 
 
 @pytest.fixture

@@ -27,7 +27,7 @@ import torch
 
 from shared import LLM, SamplingParams
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 ENV_VAR = "RUNNERLAB_USE_V2_MODEL_RUNNER"
 CPU_PRESETS = ["tiny-llama", "tiny-qwen3", "tiny-mixtral", "tiny-qwen2-moe"]
 

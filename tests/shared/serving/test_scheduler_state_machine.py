@@ -27,7 +27,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from shared.contract.sampling_params import SamplingParams
 from shared.serving.request import Request, RequestStatus
 from shared.serving.scheduler import Scheduler
-from tests.shared.scheduler_fakes import (
+from tests.shared.serving.scheduler_fakes import (
     FakeRunner,
     FakeRunnerFault,
     execute_partially,

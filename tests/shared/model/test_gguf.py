@@ -17,7 +17,7 @@ from shared.model.gguf import (
     load_gguf_tokenizer,
     load_gguf_weights,
 )
-from tests.shared.test_model_hf import PagedHarness
+from tests.shared.model.test_model_hf import PagedHarness
 
 PROMPT = "What is the capital of France?"
 

@@ -30,7 +30,7 @@ import policy
 from shared.model.registry import SUPPORTED_ARCHITECTURES, get_model_class
 from shared.serving.engine import resolve_runner_class
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("policy", "shared", "runner_v1", "runner_v2")
 
 
