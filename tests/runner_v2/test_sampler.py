@@ -166,7 +166,7 @@ def test_near_ties_of_noisy_scores_match_v1_and_reference() -> None:
     round the noise differently. A runner whose noise came from the platform log would
     flip such rows (checked below, so the test has teeth); the runners agree."""
     from shared.sampling.noise import torch_gumbel_noise
-    from shared.sampling.semantics import reference_sample_row
+    from tests.oracles.sampling_reference import reference_sample_row
 
     vocab, n = 4096, 8
     rng = np.random.default_rng(13)

@@ -17,7 +17,7 @@ from shared.attention.kv_write_triton import write_kv_triton
 from shared.attention.metadata import PAD_SLOT_ID
 from shared.attention.torch_backend import TorchBackend
 from shared.attention.triton_backend import TritonBackend
-from tests.shared.attention_batches import make_batch, run_backend
+from tests.oracles.paged_attention import make_batch, run_backend
 
 pytestmark = pytest.mark.gpu
 

@@ -12,7 +12,7 @@ import torch
 
 from shared.attention.torch_backend import TorchBackend
 from shared.attention.triton_backend import TritonBackend
-from tests.shared.attention_batches import make_batch, run_backend
+from tests.oracles.paged_attention import make_batch, run_backend
 
 # fp32 everywhere under the interpreter: tl.dot computes fp32 there.
 ATOL = RTOL = 1e-4

@@ -17,7 +17,7 @@ from shared.attention.layer import Attention
 from shared.attention.torch_backend import TorchBackend
 from shared.attention.triton_backend import TritonBackend
 from shared.runtime.forward_context import set_forward_context
-from tests.shared.attention_batches import make_batch, run_backend
+from tests.oracles.paged_attention import make_batch, run_backend
 
 
 def _new_kv(batch, num_kv_heads, head_dim, seed=7):

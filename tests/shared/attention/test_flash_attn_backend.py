@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from shared.attention.selector import AttentionBackendError, get_attn_backend
-from tests.shared.attention_batches import make_batch
+from tests.oracles.paged_attention import make_batch
 
 HAS_FLASH_ATTN = importlib.util.find_spec("flash_attn") is not None
 

@@ -28,8 +28,8 @@ from shared.contract.sampling_params import (
     SamplingParams,
 )
 from shared.harness.hf_reference import HFGreedy, materialize_checkpoint
-from shared.sampling.semantics import reference_sample_row
 from shared.serving.engine import EngineInputError
+from tests.oracles.sampling_reference import reference_sample_row
 
 RUNNERS = ["v1", "v2"]
 PROMPTS = [[5, 6, 7, 8], [100, 200, 3, 17, 250, 41], [450, 9]]
