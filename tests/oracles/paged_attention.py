@@ -1,10 +1,15 @@
-"""Ragged paged-attention batches for the attention tests (CPU and GPU).
+"""The paged KV-cache harnesses, on the TORCH backend (the pure-PyTorch oracle) wherever
+a backend is not the thing under test.
 
-`make_batch` lays out a step the way both runners do: rows in order, query_start_loc
-with its padded tail repeating the last value, seq_lens 0 and block-table rows 0 past
-the real rows, slot_mapping PAD (-1) past the real tokens, and block ids shuffled so
-no request's blocks are contiguous. The KV cache is filled with random values for every
-context position (cached prefix and the new tokens alike).
+`make_batch` lays out a step the way both runners do, for the attention tests (CPU and
+GPU): rows in order, query_start_loc with its padded tail repeating the last value,
+seq_lens 0 and block-table rows 0 past the real rows, slot_mapping PAD (-1) past the real
+tokens, and block ids shuffled so no request's blocks are contiguous. The KV cache is
+filled with random values for every context position (cached prefix and the new tokens
+alike). `run_backend` runs one backend over such a batch.
+
+`PagedHarness` steps a whole model through a paged KV cache (the model tests: against
+transformers, the GGUF model, weights, fused ops, GEMVs, the piecewise split).
 """
 
 from __future__ import annotations
@@ -15,6 +20,8 @@ import numpy as np
 import torch
 
 from shared.attention.metadata import PAD_SLOT_ID, CommonAttentionMetadata
+from shared.attention.torch_backend import TorchBackend
+from shared.runtime.forward_context import set_forward_context
 
 
 @dataclass
@@ -102,3 +109,71 @@ def run_backend(backend, batch: Batch, num_heads, head_dim, num_kv_heads, poison
     output = torch.full_like(batch.query, poison)
     impl.forward(batch.query, batch.key_cache, batch.value_cache, metadata, output)
     return output
+
+
+class PagedHarness:
+    """Binds a TORCH backend and a KV cache to every attention layer of `model`, and runs
+    steps of (token chunk, start position, block ids) rows, decodes first."""
+
+    def __init__(self, model, num_blocks: int = 16, block_size: int = 4):
+        self.model = model
+        self.block_size = block_size
+        self.layers = model.attention_layers()
+        dtype = next(model.parameters()).dtype
+        device = next(model.parameters()).device
+        self.device = device
+        for layer in self.layers.values():
+            layer.bind_backend(TorchBackend())
+            shape = (2, num_blocks, block_size, layer.num_kv_heads, layer.head_dim)
+            layer.bind_kv_cache(torch.zeros(shape, dtype=dtype, device=device))
+
+    def metadata(self, rows: list[tuple[list[int], int, list[int]]]) -> CommonAttentionMetadata:
+        bs = self.block_size
+        q_lens = [len(tokens) for tokens, _, _ in rows]
+        seq_lens = [start + n for (_, start, _), n in zip(rows, q_lens)]
+        qsl = [0]
+        for n in q_lens:
+            qsl.append(qsl[-1] + n)
+        width = max(len(blocks) for _, _, blocks in rows)
+        table = [blocks + [0] * (width - len(blocks)) for _, _, blocks in rows]
+        slots = [
+            blocks[p // bs] * bs + p % bs
+            for (_, start, blocks), n in zip(rows, q_lens)
+            for p in range(start, start + n)
+        ]
+        num_decodes = sum(1 for n in q_lens if n == 1)
+        assert q_lens[:num_decodes] == [1] * num_decodes, "decode rows must come first"
+        dev = self.device
+        qsl_t = torch.tensor(qsl, dtype=torch.int32)
+        seq_t = torch.tensor(seq_lens, dtype=torch.int32)
+        return CommonAttentionMetadata(
+            query_start_loc=qsl_t.to(dev),
+            seq_lens=seq_t.to(dev),
+            block_table=torch.tensor(table, dtype=torch.int32, device=dev),
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
+            num_reqs=len(rows),
+            num_actual_tokens=qsl[-1],
+            max_query_len=max(q_lens),
+            max_seq_len=max(seq_lens),
+            num_decodes=num_decodes,
+            num_prefills=len(rows) - num_decodes,
+            num_decode_tokens=num_decodes,
+            block_size=bs,
+            query_start_loc_cpu=qsl_t,
+            seq_lens_cpu=seq_t,
+        )
+
+    @torch.no_grad()
+    def step(self, rows: list[tuple[list[int], int, list[int]]]) -> torch.Tensor:
+        """-> logits [T, vocab] for every scheduled token, in row order."""
+        common = self.metadata(rows)
+        md = TorchBackend().make_builder(self.device).build(common)
+        ids = torch.tensor([t for tokens, _, _ in rows for t in tokens], device=self.device)
+        positions = torch.tensor(
+            [p for tokens, start, _ in rows for p in range(start, start + len(tokens))],
+            dtype=torch.int64,
+            device=self.device,
+        )
+        with set_forward_context(md, list(self.layers), ids.shape[0]):
+            hidden = self.model(ids, positions)
+        return self.model.compute_logits(hidden)

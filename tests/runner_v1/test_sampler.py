@@ -1,4 +1,4 @@
-"""V1 PyTorch sampler vs the NumPy reference (shared/sampling/semantics.py)."""
+"""V1 PyTorch sampler vs the NumPy reference (tests/oracles/sampling_reference.py)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """TRITON backend (under the Triton interpreter) against the TORCH oracle backend.
 
-Every batch is ragged and laid out like a runner's step (see attention_batches): block
+Every batch is ragged and laid out like a runner's step (see tests/oracles/paged_attention.py): block
 ids shuffled, padded rows/tokens at the tail. The output buffer starts as NaN so a
 padded token that got written, or a real token that did not, shows.
 """

@@ -17,7 +17,7 @@ from shared.model.gguf import (
     load_gguf_tokenizer,
     load_gguf_weights,
 )
-from tests.shared.model.test_model_hf import PagedHarness
+from tests.oracles.paged_attention import PagedHarness
 
 PROMPT = "What is the capital of France?"
 

@@ -24,7 +24,7 @@ from shared.attention.metadata import PAD_SLOT_ID
 from shared.attention.torch_backend import TorchBackend
 from shared.model import load_model
 from shared.runtime.forward_context import set_forward_context
-from tests.shared.model.test_model_hf import PagedHarness
+from tests.oracles.paged_attention import PagedHarness
 
 PRESETS = ["tiny-llama", "tiny-qwen3", "tiny-mixtral", "tiny-qwen2-moe"]
 BLOCK_SIZE = 4

@@ -13,7 +13,8 @@ from transformers import AutoConfig
 
 from shared.model import SUPPORTED_ARCHITECTURES, get_model_class, load_model
 from shared.model.loader import initialize_dummy_weights
-from tests.shared.model.test_model_hf import CONFIGS, PagedHarness, make_hf_model
+from tests.oracles.paged_attention import PagedHarness
+from tests.shared.model.test_model_hf import CONFIGS, make_hf_model
 
 MODEL_SRC = pathlib.Path(__file__).resolve().parents[3] / "shared" / "model"
 

@@ -4,7 +4,7 @@ float32, CPU, on the tiny-llama shape with a seeded Hugging Face checkpoint
 (materialize_checkpoint), so transformers supplies logits independent of the runners.
 Oracles:
 - transformers' greedy search, for tiny temperatures (which must be greedy);
-- the NumPy reference pipeline (shared/sampling/semantics.py) run on transformers'
+- the NumPy reference pipeline (tests/oracles/sampling_reference.py) run on transformers'
   teacher-forced float32 logits, for seeded sampling at MAX_TEMPERATURE, repetition
   penalties at their bounds and min_tokens with stop ids;
 - the other runner: V1 and V2 give the same tokens at every edge.

@@ -16,7 +16,8 @@ from shared.model import load_model
 from shared.model.kernels import fused_ops
 from shared.model.layers import RMSNorm, RotaryEmbedding, silu_and_mul
 from shared.runtime.kernel_options import kernel_options
-from tests.shared.model.test_model_hf import CONFIGS, PagedHarness
+from tests.oracles.paged_attention import PagedHarness
+from tests.shared.model.test_model_hf import CONFIGS
 
 ROPE_PARAMS = {"rope_type": "default", "rope_theta": 10000.0}
 

@@ -19,8 +19,9 @@ from shared.model import load_model
 from shared.model.kernels import fused_ops, gemv
 from shared.model.layers import RotaryEmbedding
 from shared.runtime.kernel_options import kernel_options
+from tests.oracles.paged_attention import PagedHarness
 from tests.shared.model.kernels.test_fused_ops import _randomise_norms
-from tests.shared.model.test_model_hf import CONFIGS, PagedHarness
+from tests.shared.model.test_model_hf import CONFIGS
 
 
 def _randn(*shape, seed: int, dtype=torch.float32, device="cpu", scale: float = 1.0):
