@@ -1,6 +1,6 @@
 """FLASH_ATTN backend: what a machine without flash-attn sees, and its block-size rule.
-(Its numerics are checked against TORCH in test_attention_gpu.py, where flash-attn is
-importable.)"""
+(Its numerics are checked against TORCH in tests/gpu/shared/attention/test_attention_gpu.py,
+where flash-attn is importable.)"""
 
 from __future__ import annotations
 

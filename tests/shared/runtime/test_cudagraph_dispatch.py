@@ -1,7 +1,8 @@
 """CUDA-graph dispatch logic, on CPU: the padding ladder, the uniform-decode predicate,
 each runner's choice between a FULL graph, PIECEWISE graphs (V1) and eager, and the order
 of the shared FULL capture loop with an eager stand-in for the recording (capture itself
-is GPU-only, tests/gpu/test_runner_cudagraph_gpu.py, tests/gpu/test_piecewise_gpu.py)."""
+is GPU-only, tests/gpu/shared/runtime/test_runner_cudagraph_gpu.py,
+tests/gpu/runner_v1/test_piecewise_gpu.py)."""
 
 from __future__ import annotations
 

@@ -17,11 +17,3 @@ def test_plain_host_tensors_without_cuda():
         assert t.shape == (3, 4) and t.dtype == torch.int32 and t.device.type == "cpu"
         assert not t.is_pinned()
     assert pinned_zeros(5, torch.float32).tolist() == [0.0] * 5
-
-
-@pytest.mark.gpu
-def test_pinned_with_cuda():
-    assert is_pin_memory_available()
-    assert pinned_empty((2, 3), torch.int64).is_pinned()
-    zeros = pinned_zeros(7, torch.int32)
-    assert zeros.is_pinned() and zeros.tolist() == [0] * 7

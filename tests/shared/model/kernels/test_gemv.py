@@ -5,7 +5,8 @@ shapes that exercise every mask, with launch configs forced small so a program c
 partial tile; RoPE checked against transformers' own `apply_rotary_pos_emb`. Whole tiny
 models (llama: RoPE fused; qwen2: qkv bias; qwen3: q/k norm kept separate; mixtral: MoE
 MLP unfused) run a prefill and batch-1 decodes through the GEMV path vs the PyTorch path.
-GPU (`gpu` mark): llama-3-8b / qwen3-0.6b shapes in bf16 and float32.
+GPU: llama-3-8b / qwen3-0.6b shapes in bf16 and float32, and the PDL chain in a graph
+(tests/gpu/shared/model/kernels/test_gemv_gpu.py).
 """
 
 from __future__ import annotations
@@ -171,67 +172,6 @@ def test_model_gemv_path_matches_torch_path(name, monkeypatch, kernel_opts):
     assert ref.std() > 0.1
 
 
-# ---------------------------------------------------------------------------------------
-# GPU: the real shapes
-
-GPU_SHAPES = [  # (name, rows, K, epilogue, head_dim)
-    ("llama qkv", 6144, 4096, "rope", 128), ("llama o_proj", 4096, 4096, "residual", 0),
-    ("llama gate_up", 28672, 4096, "silu", 0), ("llama down", 4096, 14336, "residual", 0),
-    ("qwen3 qkv", 4096, 1024, "none", 0), ("qwen3 lm_head", 151936, 1024, "none", 0),
-]
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("name,rows,k,epilogue,head_dim", GPU_SHAPES)
-def test_gpu_shapes(name, rows, k, epilogue, head_dim, dtype):
-    dev = "cuda"
-    x = _randn(1, k, seed=1, dtype=dtype, device=dev)
-    w = _randn(rows, k, seed=2, dtype=dtype, device=dev, scale=k**-0.5)
-    g = (1.0 + 0.1 * _randn(k, seed=3)).to(dtype).to(dev)
-    kw = {"norm_weight": g, "eps": 1e-5} if epilogue in ("rope", "silu") else {}
-    normed = _rms(x, g, 1e-5).float() if kw else x.float()
-    ref = F.linear(normed, w.float())
-    if epilogue == "rope":
-        rope = RotaryEmbedding(head_dim, head_dim, 2048, {"rope_type": "default",
-                                                          "rope_theta": 5e5}).to(dev)
-        pos = torch.tensor([1000], device=dev)
-        kw.update(positions=pos, cos_sin_cache=rope.cos_sin_cache, head_dim=head_dim,
-                  num_rope_heads=40)
-        ref = _rope_ref(ref, pos, rope.cos_sin_cache, 32, 8, head_dim)
-    elif epilogue == "silu":
-        gate, up = ref.chunk(2, dim=-1)
-        ref = F.silu(gate) * up
-    elif epilogue == "residual":
-        r = _randn(1, rows, seed=4, dtype=dtype, device=dev)
-        kw["residual"] = r
-        ref = ref + r.float()
-    got = gemv.gemv(x, w, epilogue=epilogue, **kw).float()
-    tol = 1e-4 if dtype == torch.float32 else 2e-2
-    torch.testing.assert_close(got, ref, rtol=tol, atol=tol)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("m", [1, 8, 16])
-@pytest.mark.parametrize("epilogue", ["residual", "silu"])
-def test_gpu_dot_kernel_tokens(m, epilogue):
-    """The tensor-core kernel on a llama-3-8b shape, bf16, up to 16 token rows."""
-    dev, rows, k = "cuda", 4096, 4096
-    x = _randn(m, k, seed=1, dtype=torch.bfloat16, device=dev)
-    w = _randn(rows, k, seed=2, dtype=torch.bfloat16, device=dev, scale=k**-0.5)
-    g = (1.0 + 0.1 * _randn(k, seed=3)).to(torch.bfloat16).to(dev)
-    r = _randn(m, rows, seed=4, dtype=torch.bfloat16, device=dev)
-    if epilogue == "silu":
-        gate, up = F.linear(_rms(x, g, 1e-5).float(), w.float()).chunk(2, dim=-1)
-        ref = F.silu(gate) * up
-        got = gemv.gemv(x, w, norm_weight=g, eps=1e-5, epilogue="silu",
-                        config=(32, 256, 4, 3, 1))
-    else:
-        ref = F.linear(x.float(), w.float()) + r.float()
-        got = gemv.gemv(x, w, epilogue="residual", residual=r, config=(32, 256, 4, 3, 1))
-    torch.testing.assert_close(got.float(), ref, rtol=2e-2, atol=2e-2)
-
-
 @pytest.mark.parametrize("config", [(8, 64, 4, 1, 3), (16, 64, 4, 2, 1, 0)])
 def test_removed_variants_are_refused(config):
     """The triple-buffered FMA kernel (3) and the wait-before-the-first-tile variant
@@ -256,38 +196,3 @@ def test_config_table_is_well_formed():
                 gemv.config_key("residual", False, 4096, 14336, 1, bf16),
                 gemv.config_key("none", False, 128256, 4096, 1, bf16)]:
         assert key in table, key
-
-
-@pytest.mark.gpu
-def test_gpu_pdl_chain_in_a_graph_matches_plain_launches(monkeypatch, kernel_opts):
-    """A layer's four GEMVs (each reading the previous one's output) captured in a CUDA
-    graph with programmatic dependent launch give bit-identical results to ordinary
-    launches: gdc_wait orders every read of x and residual after the producer."""
-    dev, hidden, inter = "cuda", 4096, 14336
-    bf16 = torch.bfloat16
-    w_qkv = _randn(6144, hidden, seed=1, dtype=bf16, device=dev, scale=hidden**-0.5)
-    w_o = _randn(hidden, 4096, seed=2, dtype=bf16, device=dev, scale=hidden**-0.5)
-    w_gu = _randn(2 * inter, hidden, seed=3, dtype=bf16, device=dev, scale=hidden**-0.5)
-    w_d = _randn(hidden, inter, seed=4, dtype=bf16, device=dev, scale=inter**-0.5)
-    g = (1.0 + 0.1 * _randn(hidden, seed=5)).to(bf16).to(dev)
-    x = _randn(1, hidden, seed=6, dtype=bf16, device=dev)
-
-    def layer():
-        q = gemv.gemv(x, w_qkv, norm_weight=g, eps=1e-5)[:, :4096].contiguous()
-        h = gemv.gemv(q, w_o, epilogue="residual", residual=x)
-        act = gemv.gemv(h, w_gu, norm_weight=g, eps=1e-5, epilogue="silu")
-        return gemv.gemv(act, w_d, epilogue="residual", residual=h)
-
-    results = {}
-    for pdl in (False, True):
-        kernel_opts(pdl=pdl)
-        layer()
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            out = layer()
-        graph.replay()
-        torch.cuda.synchronize()
-        results[pdl] = out.clone()
-    assert torch.equal(results[True], results[False])
-    assert results[True].float().std() > 0.1
