@@ -2,7 +2,7 @@
 
 The semantics (penalties, min_tokens, greedy, temperature, min_p, top_k, top_p,
 Gumbel-max with the shared noise, raw logprobs) are spelled out in
-shared/sampling/semantics.py; the noise in shared/sampling/noise.py. V2's Triton
+tests/oracles/sampling_reference.py; the noise in shared/sampling/noise.py. V2's Triton
 sampler computes exactly the same function, so every floating-point step below is
 written as the same sequence of IEEE operations as the Triton kernels: a plain
 division (never a multiply by the reciprocal), no fused multiply-add, thresholds

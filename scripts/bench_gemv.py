@@ -9,7 +9,7 @@ distinct weight copies (like distinct layers) that nothing is served from L2.
   python3 scripts/bench_gemv.py --out gemv.json [--configs-out gemv_configs.json] [--token-rows]
 
 On a machine without a GPU, `--check` runs the kernel under the Triton interpreter on a
-small shape against F.linear (correctness only; tests/shared/test_gemv.py is thorough).
+small shape against F.linear (correctness only; tests/shared/model/kernels/test_gemv.py is thorough).
 """
 
 from __future__ import annotations

@@ -2,6 +2,7 @@
 so it is decided here, at the top, on machines without a CUDA GPU."""
 
 import os
+from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
@@ -14,8 +15,17 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
+GPU_TESTS = Path(__file__).resolve().parent / "gpu"
+
 
 def pytest_collection_modifyitems(config, items):
+    # gpu-marked tests live under tests/gpu/ (mirroring the packages), and only they
+    misplaced = [item.nodeid for item in items
+                 if (item.get_closest_marker("gpu") is not None) != (GPU_TESTS in item.path.resolve().parents)]
+    if misplaced:
+        raise pytest.UsageError(
+            "gpu-marked tests belong under tests/gpu/ and every test there is gpu-marked; "
+            f"misplaced: {', '.join(misplaced[:10])}")
     if torch.cuda.is_available():
         return
     skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU (runs on the GPU machine via scripts/gpu_check.sh)")
@@ -38,3 +48,9 @@ def kernel_opts():
             return stack.enter_context(use_kernel_options(options))
 
         yield install
+
+
+@pytest.fixture
+def torch_path(kernel_opts):
+    """Force the PyTorch path (the oracle of the fused kernels) whatever the device."""
+    kernel_opts(fused_ops=False)

@@ -1,6 +1,6 @@
 """The V2 sampler: Triton kernels over the logits, per-request state via idx_mapping.
 
-Same semantics as the V1 PyTorch sampler (shared/sampling/semantics.py), computed so
+Same semantics as the V1 PyTorch sampler (tests/oracles/sampling_reference.py), computed so
 that seeded tokens are bit-identical: penalties + min_tokens -> processed logits,
 min_p / top_k / top_p -> one threshold per row, Gumbel-max with the shared noise
 (greedy rows take the argmax), raw logprobs. Which stages run is decided from the

@@ -1,6 +1,6 @@
 """min_p, top_k and top_p as one per-row threshold on scaled = logits / temperature.
 
-Each filter keeps an upper set of scaled (see shared/sampling/semantics.py), so together
+Each filter keeps an upper set of scaled (see tests/oracles/sampling_reference.py), so together
 they keep exactly {i : scaled_i >= threshold}; the Gumbel kernel then masks with it. No
 sort: one program per row finds the threshold by passes over the row.
   min_p: the smallest scaled with float64(scaled) - float64(max scaled) >= log(float64(min_p)).

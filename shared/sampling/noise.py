@@ -2,7 +2,7 @@
 
 Random sampling is Gumbel-max: token = argmax_i (l_i + g_i) with g_i ~ Gumbel(0, 1).
 V1 (PyTorch, this module), V2 (Triton, runner_v2/sample/gumbel.py) and the NumPy
-reference (shared/sampling/semantics.py) compute g bit-identically from integers, so a
+reference (tests/oracles/sampling_reference.py) compute g bit-identically from integers, so a
 seeded request samples the same tokens whatever the batch makeup, row order or
 preemption: nothing about the batch enters the noise.
 

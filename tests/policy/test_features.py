@@ -1,11 +1,47 @@
-"""The feature table is the single source of truth: each feature, enabled on each runner,
-is accepted or refused exactly as the table says, and never silently ignored."""
+"""The feature table (policy.features) against an oracle written here by hand: which
+runner supports which feature, as the README and docs/design-notes.md state it. Each
+feature, enabled on each runner, is accepted or refused as the oracle says (never
+silently ignored), and each feature a runner supports runs on CPU with that runner and
+gives the tokens of a run without it."""
+
+import functools
 
 import pytest
+import torch
 
 from policy import EngineArgs, RunnerSelectionError
+from policy import config as config_module
 from policy import features as feature_table
 from policy.features import FEATURES, SUPPORTED, requested_features, unsupported_for
+
+# label -> the runners that honour it, written from the docs, not read from the table:
+SUPPORTED_BY = {
+    # refused on both runners ("Known gaps": speculative decoding, logits processors,
+    # pooling and prompt embeddings are refused by the feature table on both runners)
+    "speculative decoding": set(),
+    "rejection_sample_method='block'": set(),  # a speculative-decoding setting
+    "custom logits processors": set(),
+    "pooling": set(),
+    "prompt embeds": set(),
+    # V1's implicit graphs have PIECEWISE graphs between attention calls; "V2 has no
+    # piecewise graphs: its mixed batches run eager"
+    "cudagraph_mode='PIECEWISE'": {"v1"},
+    "cudagraph_mode='FULL_AND_PIECEWISE'": {"v1"},
+    # "V2 only": V1's input ids and penalties come from host token tables that would lag
+    "async scheduling": {"v2"},
+    # one process, one device: no parallelism on either runner
+    "tensor parallelism > 1": set(),
+    "pipeline parallelism > 1": set(),
+}
+
+
+def _supports(runner, labels):
+    return all(runner in SUPPORTED_BY[label] for label in labels)
+
+
+def _unsupported(runner, labels):
+    return [label for label in labels if runner not in SUPPORTED_BY[label]]
+
 
 # label -> EngineArgs settings that turn the feature on. Adding a row to the table without
 # adding it here fails test_every_feature_has_settings.
@@ -30,8 +66,14 @@ def _args(label, **extra):
 
 
 def test_every_feature_has_settings():
-    assert sorted(SETTINGS) == sorted(f.label for f in FEATURES)
+    assert sorted(SETTINGS) == sorted(f.label for f in FEATURES) == sorted(SUPPORTED_BY)
     assert len({f.label for f in FEATURES}) == len(FEATURES)
+
+
+def test_table_says_what_the_oracle_says():
+    table = {f.label: {r for r in ("v1", "v2") if f.status(r) == SUPPORTED} for f in FEATURES}
+    assert table == SUPPORTED_BY
+    assert {f.status(r) for f in FEATURES for r in ("v1", "v2")} == {SUPPORTED, "unsupported-yet"}
 
 
 @pytest.mark.parametrize("label", sorted(SETTINGS))
@@ -48,7 +90,7 @@ def test_default_args_request_nothing():
 def test_runner_honours_or_refuses_as_the_table_says(fake_cuda, label, runner):
     args = _args(label, model_runner=runner)
     wanted = requested_features(args)
-    if all(feature_table.feature(f).status(runner) == SUPPORTED for f in wanted):
+    if _supports(runner, wanted):
         cfg = args.create_engine_config()
         assert cfg.runner_decision.runner == runner
         assert label in cfg.requested_features()
@@ -62,12 +104,12 @@ def test_runner_honours_or_refuses_as_the_table_says(fake_cuda, label, runner):
 def test_auto_falls_back_or_refuses(fake_cuda, label):
     args = _args(label)
     wanted = requested_features(args)
-    if not unsupported_for("v1", wanted):
+    if _supports("v1", wanted):
         cfg = args.create_engine_config()
-        expect_v2 = not unsupported_for("v2", wanted)
+        expect_v2 = _supports("v2", wanted)
         assert cfg.use_v2_model_runner is expect_v2
-        assert cfg.v2_unsupported_features() == unsupported_for("v2", wanted)
-    elif not unsupported_for("v2", wanted):
+        assert cfg.v2_unsupported_features() == _unsupported("v2", wanted)
+    elif _supports("v2", wanted):
         # a feature only V2 has forces V2 (decision source "forced")
         cfg = args.create_engine_config()
         assert cfg.use_v2_model_runner and cfg.runner_decision.source == "forced"
@@ -86,7 +128,7 @@ def test_block_rejection_is_never_a_silent_no_op_on_v1(fake_cuda):
 def test_unsupported_for_keeps_table_order():
     labels = [f.label for f in FEATURES]
     assert unsupported_for("v2", list(reversed(labels))) == list(reversed(
-        [f.label for f in FEATURES if f.v2 != SUPPORTED]))
+        [label for label in labels if "v2" not in SUPPORTED_BY[label]]))
     assert unsupported_for("v1", []) == []
 
 
@@ -101,3 +143,132 @@ def test_table_rows():
     assert all(r["v1"] in ("supported", "unsupported-yet") for r in rows)
     assert {r["feature"] for r in rows if r["v1"] == "supported" and r["v2"] != "supported"} == {
         "cudagraph_mode='PIECEWISE'", "cudagraph_mode='FULL_AND_PIECEWISE'"}
+
+
+# ---- each supported feature, run on CPU with the runner that supports it ---------------
+# Small runs: chunked prefills under a 32-token budget, then decodes; the oracle is the
+# same engine without the feature (or V1 without async scheduling).
+
+RUN = dict(seed=0, max_model_len=64, max_num_seqs=8, max_num_batched_tokens=32,
+           num_gpu_blocks_override=64, enable_prefix_caching=False)
+PROMPT_LENS = [3, 17, 5, 1, 9]
+
+
+def _generate(engine, sampled: bool = False):
+    """-> (tokens per request, (num_tokens, cudagraph_mode) per step, placeholder count)."""
+    from shared.contract.sampling_params import SamplingParams
+
+    for i, n in enumerate(PROMPT_LENS):
+        temperature = 0.8 if sampled and i % 2 else 0.0
+        engine.add_request(f"r{i}", [(i * 31 + j * 7) % 200 + 1 for j in range(n)],
+                           SamplingParams(max_tokens=5, temperature=temperature, seed=i,
+                                          ignore_eos=True))
+    tokens, steps, in_flight = {}, [], 0
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            tokens[out.request_id] = out.outputs[0].token_ids
+        stats = engine.runner.step_stats
+        steps.append((stats.num_tokens, stats.cudagraph_mode))
+        in_flight += sum(r.num_output_placeholders for r in engine.scheduler.requests.values())
+    return tokens, steps, in_flight
+
+
+def _engine(**kw):
+    from shared.serving.engine import LLMEngine
+
+    return LLMEngine.from_engine_args(EngineArgs(device="cpu", **RUN, **kw))
+
+
+class _EagerGraph:
+    """Stands in for a CUDA graph on CPU: replay re-runs the recorded body (reading the
+    same persistent buffers a graph would) and writes the output the capture returned."""
+
+    def __init__(self, body, output=None) -> None:
+        self.body, self.output = body, output
+
+    def replay(self) -> None:
+        result = self.body()
+        if self.output is not None:
+            self.output.copy_(result)
+
+
+def _record_full(body, pool):
+    output = body()
+    return _EagerGraph(body, output), output
+
+
+V1_GRAPHS = dict(model="tiny-qwen3", dtype="float32", model_runner="v1",
+                 attention_backend="TRITON")  # TRITON (interpreted): it runs in FULL graphs
+
+
+@functools.cache
+def _v1_eager_tokens():
+    return _generate(_engine(**V1_GRAPHS))[0]
+
+
+def _run_v1_graph_mode(mode: str, monkeypatch) -> list[str]:
+    """V1 with the graphs the policy configures for `mode` on a CUDA machine, captured
+    with an eager stand-in for the recording, on CPU: the tokens of the eager engine."""
+    from runner_v1 import cudagraph as v1_cudagraph
+    from runner_v1.cudagraph import V1CudaGraphs
+    from runner_v1.piecewise import PiecewiseGraphs
+    from shared.runtime.cudagraph_utils import capture_full_graphs
+
+    eager = _v1_eager_tokens()
+    with monkeypatch.context() as m:  # the config the feature gets on a CUDA machine
+        m.setattr(config_module, "cuda_available", lambda: True)
+        cuda_config = EngineArgs(device="cuda", cudagraph_mode=mode, **RUN,
+                                 **V1_GRAPHS).create_engine_config()
+    assert cuda_config.compilation_config.cudagraph_mode == mode
+    monkeypatch.setattr(PiecewiseGraphs, "_record", lambda self, body, pool: _EagerGraph(body))
+    monkeypatch.setattr(v1_cudagraph, "capture_full_graphs",
+                        functools.partial(capture_full_graphs, record=_record_full))
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: None)
+    engine = _engine(**V1_GRAPHS)
+    runner = engine.runner
+    runner.graphs = V1CudaGraphs(cuda_config, torch.device("cuda"), runner.executor,
+                                 runner.buffers, runner.persistent_batch)
+    runner.capture_model()
+    tokens, steps, _ = _generate(engine)
+    assert tokens == eager
+    sizes = cuda_config.compilation_config.cudagraph_capture_sizes
+    graphed = [(n, m) for n, m in steps if m != "NONE"]
+    assert any(n not in sizes for n, _ in graphed)  # padded replays over stale rows
+    return sorted({m for _, m in graphed})
+
+
+def _run_piecewise(monkeypatch):
+    assert _run_v1_graph_mode("PIECEWISE", monkeypatch) == ["PIECEWISE"]
+
+
+def _run_full_and_piecewise(monkeypatch):
+    # uniform decodes in FULL graphs, the mixed batches in piecewise ones
+    assert _run_v1_graph_mode("FULL_AND_PIECEWISE", monkeypatch) == ["FULL", "PIECEWISE"]
+
+
+def _run_async_scheduling(monkeypatch):
+    """V2 schedules step N+1 before it reads step N's tokens: V1's tokens (synchronous),
+    greedy and seeded, with tokens in flight along the way."""
+    kw = dict(model="tiny-llama", dtype="float64")
+    sync, _, _ = _generate(_engine(model_runner="v1", **kw), sampled=True)
+    engine = _engine(model_runner="v2", async_scheduling=True, **kw)
+    assert engine.async_scheduling
+    tokens, _, in_flight = _generate(engine, sampled=True)
+    assert tokens == sync and in_flight > 0
+
+
+RUNS = {
+    ("cudagraph_mode='PIECEWISE'", "v1"): _run_piecewise,
+    ("cudagraph_mode='FULL_AND_PIECEWISE'", "v1"): _run_full_and_piecewise,
+    ("async scheduling", "v2"): _run_async_scheduling,
+}
+SUPPORTED_PAIRS = [(f.label, r) for f in FEATURES for r in ("v1", "v2") if f.status(r) == SUPPORTED]
+
+
+def test_every_supported_feature_has_a_run():
+    assert sorted(RUNS) == sorted(SUPPORTED_PAIRS)
+
+
+@pytest.mark.parametrize("label, runner", SUPPORTED_PAIRS)
+def test_supported_feature_runs_on_cpu(label, runner, monkeypatch):
+    RUNS[(label, runner)](monkeypatch)

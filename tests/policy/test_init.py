@@ -37,18 +37,6 @@ def test_public_names():
     assert callable(explain_main)
 
 
-def test_runnerlab_architectures():
-    assert policy.RUNNERLAB_ARCHITECTURES == {
-        "LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MixtralForCausalLM",
-        "Qwen2MoeForCausalLM"}
-
-
-def test_runner_classes_are_qualified_names():
-    assert policy.RUNNER_CLASSES == {
-        "v1": "runner_v1.model_runner:GPUModelRunner",
-        "v2": "runner_v2.model_runner:GPUModelRunner"}
-
-
 def test_decision_fields():
     cfg = policy.EngineArgs(model="tiny-llama", dtype="float32", device="cpu").create_engine_config()
     d = cfg.runner_decision

@@ -1,8 +1,8 @@
 """PiecewiseGraphs' data flow on CPU: static buffers, persistent inputs, eager attention
 between segments, padded sizes, stale rows from a larger earlier step.
 
-Capture itself needs a GPU (tests/gpu/test_piecewise_gpu.py). Here `_record` is replaced
-by an eager stand-in whose replay() re-runs the captured body. The body is the same
+Capture itself needs a GPU (tests/gpu/runner_v1/test_piecewise_gpu.py). Here `_record`
+is replaced by an eager stand-in whose replay() re-runs the captured body. The body is the same
 closure a CUDA graph would record, reading and writing only the static views, so a
 value that travelled outside them (a fresh tensor handed from one segment to the next,
 a wrong view, a missing copy) shows up as a wrong result here too.
@@ -18,7 +18,7 @@ from runner_v1.cudagraph import CudaGraphWrapper
 from runner_v1.piecewise import PiecewiseGraphs
 from shared.runtime.cudagraph_utils import BatchDescriptor, padded_size
 from shared.runtime.forward_context import set_forward_context
-from tests.shared.test_model_piecewise import (
+from tests.shared.model.test_model_piecewise import (
     BLOCK_SIZE,
     NUM_BLOCKS,
     SplitHarness,

@@ -1,4 +1,4 @@
-"""V1 PyTorch sampler vs the NumPy reference (shared/sampling/semantics.py)."""
+"""V1 PyTorch sampler vs the NumPy reference (tests/oracles/sampling_reference.py)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import torch
 from runner_v1.sampler import Sampler, filter_threshold, greedy_argmax
 from runner_v1.sampling_metadata import SamplingMetadata
 from shared.contract.sampling_params import SamplingParams
-from shared.sampling.semantics import keep_mask, reference_sample_row
+from tests.oracles.sampling_reference import keep_mask, reference_sample_row
 
 VOCAB = 96
 EOS = 3

@@ -18,7 +18,7 @@ from runner_v2.input_batch import (
 from runner_v2.states import RequestState
 
 R, MAX_LEN, T, V, BLOCK_SIZE = 8, 64, 128, 1000, 16
-DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+DEVICES = ["cpu"]  # "cuda": tests/gpu/runner_v2/test_input_prep_gpu.py
 
 
 def _expected_order(req_ids, nst):
@@ -78,8 +78,13 @@ class _Setup:
 
 @pytest.fixture(params=DEVICES)
 def mixed(request):
+    return make_mixed(request.param)
+
+
+def make_mixed(device):
+    """A state table with one request in each situation, and the step's scheduled counts."""
     rng = np.random.default_rng(7)
-    s = _Setup(rng, request.param)
+    s = _Setup(rng, device)
     s.add("fresh", 7, 7, 0, rng)  # whole prompt in one chunk
     s.add("chunk", 20, 20, 8, rng)  # continues a prefill (e.g. a prefix-cache hit)
     s.add("resumed", 5, 12, 0, rng)  # prefill = prompt + 7 outputs, first chunk only

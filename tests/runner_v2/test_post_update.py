@@ -10,7 +10,7 @@ from runner_v2.post_update import post_update
 from runner_v2.states import RequestState
 
 R, MAX_LEN, T, V = 6, 48, 64, 50
-DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+DEVICES = ["cpu"]  # "cuda": tests/gpu/runner_v2/test_post_update_gpu.py
 
 
 def _state_with(rng, specs, device):

@@ -166,7 +166,7 @@ def test_near_ties_of_noisy_scores_match_v1_and_reference() -> None:
     round the noise differently. A runner whose noise came from the platform log would
     flip such rows (checked below, so the test has teeth); the runners agree."""
     from shared.sampling.noise import torch_gumbel_noise
-    from shared.sampling.semantics import reference_sample_row
+    from tests.oracles.sampling_reference import reference_sample_row
 
     vocab, n = 4096, 8
     rng = np.random.default_rng(13)
@@ -308,59 +308,3 @@ def test_too_many_min_tokens_stop_ids_is_an_error() -> None:
         states.add_request(0, sp, [1], [1], eos_token_id=2)
     # without min_tokens the stop ids are the scheduler's business, not the table's
     states.add_request(0, SamplingParams(stop_token_ids=list(range(20))), [1], [1], 2)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
-def test_compiled_triton_matches_v1_on_cuda(dtype: torch.dtype) -> None:
-    vocab = 32_000
-    rng = np.random.default_rng(14)
-    rows = []
-    for i, feature in enumerate(FEATURES):
-        r = Row(
-            SamplingParams(seed=int(rng.integers(0, 2**63)), max_tokens=64, **FEATURES[feature]),
-            rng.integers(0, vocab, 20).tolist(),
-            rng.integers(0, vocab, i).tolist(),
-        )
-        rows.append(r)
-    logits = torch.from_numpy(rng.normal(0, 3, (len(rows), vocab))).to(dtype).cuda()
-    md, positions = make_metadata(rows, vocab)
-    md = _to_cuda(md)
-    v1 = V1Sampler()(logits, md, positions.cuda())
-    states = SamplingStates(64, vocab, "cuda")
-    state_rows = rng.permutation(64)[: len(rows)].tolist()
-    add_rows(states, state_rows, rows)
-    idx = torch.tensor(state_rows, dtype=torch.int32, device="cuda")
-    v2 = Sampler(states)(logits, idx, positions.cuda(), md.max_num_logprobs)
-    assert_same(v2, v1)
-
-
-@pytest.mark.gpu
-def test_sampler_call_does_not_sync_on_cuda() -> None:
-    vocab = 32_000
-    rng = np.random.default_rng(15)
-    rows = [Row(SamplingParams(seed=i, max_tokens=64, **FEATURES[f]), [1, 2, 3], [4] * i)
-            for i, f in enumerate(FEATURES)]
-    states = SamplingStates(64, vocab, "cuda")
-    add_rows(states, list(range(len(rows))), rows)
-    logits = torch.from_numpy(rng.normal(0, 3, (len(rows), vocab))).float().cuda()
-    idx_np = np.arange(len(rows), dtype=np.int32)
-    idx = torch.from_numpy(idx_np).cuda()
-    positions = torch.tensor([r.pos for r in rows], dtype=torch.int64).cuda()
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        Sampler(states)(logits, idx, positions, 4, idx_mapping_np=idx_np)
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
-
-
-def _to_cuda(md):
-    from dataclasses import fields, replace
-
-    moved = {
-        f.name: getattr(md, f.name).cuda()
-        for f in fields(md)
-        if isinstance(getattr(md, f.name), torch.Tensor)
-    }
-    return replace(md, **moved)

@@ -1,4 +1,5 @@
-"""UVA helpers: CPU fallbacks here, the zero-copy device view on the GPU machine."""
+"""UVA helpers: the CPU fallbacks (the zero-copy device view on the GPU machine:
+tests/gpu/runner_v2/test_uva_gpu.py)."""
 
 from __future__ import annotations
 
@@ -25,19 +26,3 @@ def test_cpu_fallbacks_without_cuda():
     async_copy_to_device(src, "cpu", out=out)
     src[:] = -1  # the copy is independent of the source afterwards
     assert out.tolist() == [0, 1, 2, 3, 4]
-
-
-@pytest.mark.gpu
-def test_device_view_is_zero_copy_and_coherent_both_ways():
-    assert is_uva_available()
-    host = pinned_empty((4, 8), torch.int64)
-    assert host.is_pinned()
-    host.copy_(torch.arange(32).view(4, 8))
-    view = device_view_of_pinned(host)
-    assert view.is_cuda and view.data_ptr() == host.data_ptr()
-    assert view.sum().item() == sum(range(32))  # device reads host memory
-    view[1].fill_(-1)  # device writes host memory
-    torch.cuda.synchronize()
-    assert host[1].tolist() == [-1] * 8
-    del host  # the view keeps the pinned memory alive
-    assert view[1].sum().item() == -8
