@@ -5,7 +5,10 @@ interleaved A-B-B-A so that drift (clocks, caches, allocator state) and order ca
 favour either runner; warm-up steps are excluded. Output: a table on stdout, ab.json
 and ab.png in --output-dir, and a check that the runners produced identical tokens.
 `--runners v1` (or `--model-runner v1`) measures one runner alone: its stage times, no
-ratios. On a machine without a CUDA GPU, V2's Triton kernels run under the Triton
+ratios. Every runner runs the same engine loop (--engine-loop; `both`: each workload
+under each loop, engines v1-sync, v2-sync, v1-async, v2-async). The throughput workload
+is set beside its floor (shared/harness/floor.py) at the read bandwidth and matmul rate
+measured at the start. On a machine without a CUDA GPU, V2's Triton kernels run under the Triton
 interpreter; the table, ab.json and ab.png say so, and the default sizes are smaller.
 """
 
@@ -19,7 +22,6 @@ import os
 import shlex
 import sys
 import time
-from typing import Any
 
 import numpy as np
 import torch
@@ -35,12 +37,15 @@ from shared.harness.ab_args import (
     check_flags,
     check_lengths,
     check_output_dir,
-    concurrency,
+    resolve_engine_loops,
     select_runners,
     set_threads,
 )
-from shared.harness.measure import StepSamples, measure_read_bandwidth
-from shared.harness.report import print_tables, write_png
+from shared.harness.ab_engines import build_engines, describe_engines, difference_warnings
+from shared.harness.chart import write_png
+from shared.harness.floor import Floor, Rates, engine_shape, throughput_floor
+from shared.harness.measure import StepSamples, measure_gemm_rate, measure_read_bandwidth
+from shared.harness.report import print_tables
 from shared.runtime.step_timing import STAGES
 from shared.serving.engine import LLMEngine
 
@@ -57,12 +62,13 @@ def ab_main(argv: list[str]) -> int:
         args.model = "tiny-llama"
     try:
         runners = select_runners(args)
+        loops = resolve_engine_loops(args, runners)
         # The device (and so the defaults) and max_model_len, from the first runner's
         # configuration resolved without logging: a refusal stays the only line printed.
         # The engines' own configurations check everything again, strictly.
-        config, _ = _engine_args(args, runners[0], 0).create_explain_config()
+        config, _ = _engine_args(args, runners[0], loops.loops[0]).create_explain_config()
         device = config.device_config.device
-        settings = _settings(args, device, runners)
+        settings = _settings(args, device, runners, loops)
         check_flags(args, settings, device)
         check_lengths(settings, config.scheduler_config.max_model_len)
         check_output_dir(args.output_dir)
@@ -71,21 +77,20 @@ def ab_main(argv: list[str]) -> int:
     threads = torch.get_num_threads()
     try:  # the thread count is the process's: restored for a caller that goes on (tests)
         settings["threads"] = set_threads(args.threads, device)
-        return _measure(args, argv, settings, runners)
+        return _measure(args, argv, settings)
     finally:
         torch.set_num_threads(threads)
 
 
-def _measure(args: argparse.Namespace, argv: list[str], settings: dict, runners: list[str]) -> int:
+def _measure(args: argparse.Namespace, argv: list[str], settings: dict) -> int:
     try:
-        engines = {r: LLMEngine.from_engine_args(_engine_args(args, r, concurrency(settings)))
-                   for r in runners}
+        engines = build_engines(args, settings)
     except ValueError as exc:  # the engine configuration's own checks
         return usage_error(PROG, exc)
     except OSError as exc:  # reading the model
         print(f"{PROG}: error: {exc}", file=sys.stderr)
         return 1
-    report = run_ab(engines, settings, args, engines[runners[0]].device)
+    report = run_ab(engines, settings, args, next(iter(engines.values())).device)
     report["command"] = " ".join([PROG, *map(shlex.quote, argv)])
     try:
         paths = write_results(report, args.output_dir)
@@ -113,7 +118,7 @@ def interpreter_caveats(engines: dict[str, LLMEngine]) -> tuple[bool, list[str]]
     if not triton_utils.INTERPRET:
         return False, []
     caveats = []
-    v2 = "v2" in engines
+    v2 = any(e.runner_name == "v2" for e in engines.values())
     if v2:
         caveats.append(
             "V2 ran under the Triton interpreter (no CUDA GPU): its Triton kernels (input "
@@ -129,58 +134,97 @@ def interpreter_caveats(engines: dict[str, LLMEngine]) -> tuple[bool, list[str]]
 def run_ab(engines: dict[str, LLMEngine], settings: dict, args, device: torch.device) -> dict:
     from tqdm import tqdm
 
-    first = next(iter(engines.values()))
-    weight_bytes = first.runner.executor.weight_bytes(include_embedding=False)
-    bandwidth = measure_read_bandwidth(device)
-    interpreted, caveats = interpreter_caveats(engines)
+    report = _report_head(engines, settings, device)
+    floor = _throughput_floor(engines, report) if "throughput" in settings["workloads"] else None
     start = time.perf_counter()
-    report: dict[str, Any] = {
-        "command": PROG,
-        "model": first.model_config.preset or first.model_config.model,
-        "dtype": first.model_config.dtype,
-        "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
-        "time": time.strftime("%Y-%m-%d %H:%M:%S"),
-        "runners": list(engines),
-        "v2_triton_interpreter": interpreted,
-        "caveats": caveats,
-        "settings": settings,
-        "weight_bytes": weight_bytes,
-        "read_bandwidth_GBps": bandwidth / 1e9 if bandwidth == bandwidth else None,
-        "startup_s": {r: e.startup_s for r, e in engines.items()},
-        "graph_capture_s": {r: e.capture_s for r, e in engines.items()},
-        "async_scheduling": {r: e.async_scheduling for r, e in engines.items()},
-        "workloads": {},
-    }
     identical = True
     jobs = _jobs(settings)
     orders = {name: _order(list(engines), settings["repeats"][name]) for name, _, _ in jobs}
     bar = tqdm(total=sum(len(orders[n]) for n, _, _ in jobs), desc="ab", unit="run", file=sys.stderr)
     for name, label, fn in jobs:
-        per_runner: dict[str, list[wl.RunResult]] = {r: [] for r in engines}
-        run_s: dict[str, list[float]] = {r: [] for r in engines}
-        for runner in orders[name]:
+        per_engine: dict[str, list[wl.RunResult]] = {e: [] for e in engines}
+        run_s: dict[str, list[float]] = {e: [] for e in engines}
+        for engine in orders[name]:
             t0 = time.perf_counter()
-            with _maybe_profile(args, runner, label):
-                per_runner[runner].append(fn(engines[runner], f"{runner}-{label}-{len(per_runner[runner])}-"))
-            run_s[runner].append(round(time.perf_counter() - t0, 3))
+            with _maybe_profile(args, engine, label):
+                per_engine[engine].append(fn(engines[engine], f"{engine}-{label}-{len(per_engine[engine])}-"))
+            run_s[engine].append(round(time.perf_counter() - t0, 3))
             bar.update(1)
-        same = _same_tokens(per_runner)
+        same = _same_tokens(per_engine)
         identical &= same
         entry = {"label": label, "tokens_identical": same, "run_s": run_s}
-        for runner, results in per_runner.items():
-            entry[runner] = _summarise(results)
-        if name == "decode" and bandwidth == bandwidth:
-            floor_ms = weight_bytes / bandwidth * 1e3
-            entry["floor_ms"] = floor_ms
-            for runner in engines:
-                gpu = entry[runner].get("forward_gpu_ms", {}).get("median")
-                if gpu:
-                    entry[runner]["achieved_GBps"] = weight_bytes / (gpu / 1e3) / 1e9
+        for engine, results in per_engine.items():
+            entry[engine] = _summarise(results)
+        if name == "decode":
+            _decode_floor(entry, report)
+        elif name == "throughput":
+            _set_beside_floor(entry, floor, list(engines))
         report["workloads"].setdefault(name, []).append(entry)
     bar.close()
     report["tokens_identical"] = identical
     report["measure_s"] = round(time.perf_counter() - start, 2)
     return report
+
+
+def _report_head(engines: dict[str, LLMEngine], settings: dict, device: torch.device) -> dict:
+    """What ran where and with what, and the rates the floors divide by."""
+    first = next(iter(engines.values()))
+    dtype = first.model_config.torch_dtype
+    bandwidth = measure_read_bandwidth(device)
+    gemm = measure_gemm_rate(device, dtype)
+    interpreted, caveats = interpreter_caveats(engines)
+    described = describe_engines(engines, settings)
+    warnings = [settings["engine_loop_warning"]] if settings["engine_loop_warning"] else []
+    return {
+        "command": PROG,
+        "model": first.model_config.preset or first.model_config.model,
+        "dtype": first.model_config.dtype,
+        "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+        "time": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "runners": list(settings["runners"]),
+        "engine_loops": list(settings["engine_loops"]),
+        "engines": described,
+        "warnings": warnings + difference_warnings(described),
+        "v2_triton_interpreter": interpreted,
+        "caveats": caveats,
+        "settings": settings,
+        "weight_bytes": first.runner.executor.weight_bytes(include_embedding=False),
+        "read_bandwidth_GBps": bandwidth / 1e9,
+        "gemm_TFLOPs": gemm / 1e12,
+        "gemm_dtype": str(dtype).removeprefix("torch."),
+        "startup_s": {r: e.startup_s for r, e in engines.items()},
+        "graph_capture_s": {r: e.capture_s for r, e in engines.items()},
+        "async_scheduling": {r: e.async_scheduling for r, e in engines.items()},
+        "workloads": {},
+    }
+
+
+def _decode_floor(entry: dict, report: dict) -> None:
+    """Weight bytes / read bandwidth beside a decode step, and the bandwidth each runner's
+    forward reached on the GPU."""
+    weight_bytes, bandwidth = report["weight_bytes"], report["read_bandwidth_GBps"] * 1e9
+    entry["floor_ms"] = weight_bytes / bandwidth * 1e3
+    for engine in report["engines"]:
+        gpu = entry[engine].get("forward_gpu_ms", {}).get("median")
+        if gpu:
+            entry[engine]["achieved_GBps"] = weight_bytes / (gpu / 1e3) / 1e9
+
+
+def _throughput_floor(engines: dict[str, LLMEngine], report: dict) -> Floor:
+    """The floor of the workload _throughput_job runs, for the engines' max_num_seqs (the
+    same in every engine: ab_args._engine_args)."""
+    prompts, max_tokens = wl.nano_vllm_workload()
+    first = next(iter(engines.values()))
+    rates = Rates(report["read_bandwidth_GBps"] * 1e9, report["gemm_TFLOPs"] * 1e12)
+    return throughput_floor(engine_shape(first), [len(p) for p in prompts], max_tokens,
+                            first.config.scheduler_config.max_num_seqs, rates)
+
+
+def _set_beside_floor(entry: dict, floor: Floor, engines: list[str]) -> None:
+    """The floor, and the fraction of it each engine reached: floor time / its median time."""
+    entry["floor"] = floor.to_json()
+    for engine in engines:
+        entry[engine]["floor_fraction"] = floor.seconds / entry[engine]["seconds"]["median"]
 
 
 def _order(runners: list[str], runs: int) -> list[str]:
@@ -225,13 +269,14 @@ def _throughput_job(engine: LLMEngine, tag: str) -> wl.RunResult:
     return result
 
 
-def _same_tokens(per_runner: dict[str, list[wl.RunResult]]) -> bool:
+def _same_tokens(per_engine: dict[str, list[wl.RunResult]]) -> bool:
+    """Whether every run of every engine (each runner, each loop) produced the same tokens."""
     def strip(tokens: dict[str, list[int]]) -> dict[str, list[int]]:
-        # request ids carry the runner and run index; compare by the request's suffix
+        # request ids carry the engine and run index; compare by the request's suffix
         return {k.rsplit("-", 1)[-1]: v for k, v in tokens.items()}
 
-    ref = strip(next(iter(per_runner.values()))[0].tokens)
-    return all(strip(r.tokens) == ref for rs in per_runner.values() for r in rs)
+    ref = strip(next(iter(per_engine.values()))[0].tokens)
+    return all(strip(r.tokens) == ref for rs in per_engine.values() for r in rs)
 
 
 def _summarise(results: list[wl.RunResult]) -> dict:
@@ -254,7 +299,7 @@ def _summarise(results: list[wl.RunResult]) -> dict:
 
 
 @contextlib.contextmanager
-def _maybe_profile(args, runner: str, label: str):
+def _maybe_profile(args, engine: str, label: str):
     if not args.profile:
         yield
         return
@@ -263,4 +308,4 @@ def _maybe_profile(args, runner: str, label: str):
         activities.append(torch.profiler.ProfilerActivity.CUDA)
     with torch.profiler.profile(activities=activities) as prof:
         yield
-    prof.export_chrome_trace(os.path.join(args.output_dir, f"trace_{runner}_{label}.json"))
+    prof.export_chrome_trace(os.path.join(args.output_dir, f"trace_{engine}_{label}.json"))

@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from policy import features
 from policy.cli_args import (
     OneLineArgumentParser,
     bounded_int,
@@ -27,6 +28,8 @@ from shared.harness.measure import decode_max_tokens
 PROG = "runnerlab ab"
 RUNNERS = ("v1", "v2")
 WORKLOADS = ("decode", "prefill", "churn", "throughput")
+ENGINE_LOOPS = ("sync", "async", "both")
+ASYNC_FEATURE = "async scheduling"  # the policy.features row that says which runner has it
 # ab's own flags that only the decode workload reads (refused without it)
 DECODE_FLAGS = {"batch_sizes": "--batch-sizes", "prompt_len": "--prompt-len",
                 "steps": "--steps", "warmup": "--warmup"}
@@ -75,6 +78,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--workloads", type=name_list("workload", WORKLOADS), default=None,
                    help="comma list of " + ",".join(WORKLOADS) + " (default: decode,prefill,"
                    "churn, plus throughput on a GPU)")
+    g.add_argument("--engine-loop", choices=ENGINE_LOOPS, default=None,
+                   help="the engine loop every runner runs: sync, async (async scheduling) or "
+                   "both (each workload under each loop; engines v1-sync, v1-async, ...). "
+                   "Default: async where every runner has it (policy.features), else sync")
     g.add_argument("--batch-sizes", type=int_list("batch size", 1), default=None,
                    help="decode batch ladder, e.g. 1,8,32,64")
     g.add_argument("--prompt-len", type=bounded_int(1), default=None, help="decode prompt length")
@@ -108,13 +115,17 @@ def select_runners(args: argparse.Namespace) -> list[str]:
     return sorted(args.runners or RUNNERS, key=RUNNERS.index)
 
 
-def _settings(args: argparse.Namespace, device: str, runners: list[str]) -> dict[str, Any]:
+def _settings(args: argparse.Namespace, device: str, runners: list[str],
+              loops: EngineLoops) -> dict[str, Any]:
     sizes = _default_sizes(args, device)
     workloads = args.workloads or list(sizes.workloads)
     repeats = {w: args.repeats or (THROUGHPUT_RUNS_PER_RUNNER if w == "throughput"
                                    else RUNS_PER_RUNNER) for w in workloads}
     return {
         "runners": runners,
+        "engine_loops": list(loops.loops),
+        "engine_loop_requested": loops.requested,
+        "engine_loop_warning": loops.warning,
         "batches": sorted(set(args.batch_sizes or sizes.batches)),  # a ladder, drawn in order
         "workloads": workloads,
         "prompt_len": args.prompt_len or sizes.prompt_len,
@@ -194,9 +205,12 @@ def check_flags(args: argparse.Namespace, settings: dict, device: str) -> None:
             if getattr(args, name) is not None:
                 raise Refused(f"{flag} sets the decode workload, which --workloads "
                               f"{','.join(workloads)} leaves out")
-    if getattr(args, "async_scheduling", False) and "v2" not in runners:
-        raise Refused("--async-scheduling applies to V2 only (V1 has none), and "
-                      f"--runners {','.join(runners)} does not run V2")
+    share = getattr(args, "gpu_memory_utilization", None)
+    engines = len(runners) * len(settings["engine_loops"])
+    if share is not None and device == "cuda" and share * engines > 1:
+        raise Refused(f"--gpu-memory-utilization {share} is each engine's share of the GPU, and "
+                      f"{engines} engines share it ({share * engines:.2f} in all); give at "
+                      f"most {1 / engines:.2f}, or leave it out")
     if device != "cuda":
         if args.nvtx:
             raise Refused("--nvtx: NVTX ranges need a CUDA device; this run is on the CPU")
@@ -246,15 +260,14 @@ def check_output_dir(path: str) -> None:
                       f"({exc.strerror or exc})") from None
 
 
-def _engine_args(args: argparse.Namespace, runner: str, max_batch: int):
+def _engine_args(args: argparse.Namespace, runner: str, loop: str, max_batch: int = 0,
+                 num_engines: int = 2):
     from policy.explain import engine_args_from_namespace
 
     base = engine_args_from_namespace(args).model_dump()
     base["model_runner"] = runner
-    if runner == "v1" and base.get("async_scheduling"):
-        # V1 has no async scheduling (policy.features): with --async-scheduling the A/B
-        # compares V1's synchronous engine with V2's overlapped one, and says so.
-        base["async_scheduling"] = False
+    # (resolve_engine_loops has checked that --async-scheduling agrees with the loop)
+    base["async_scheduling"] = loop == "async"
     if getattr(args, "max_num_seqs", None) is None:
         base["max_num_seqs"] = max(max_batch, 16)
     if getattr(args, "enable_prefix_caching", None) is None:
@@ -262,8 +275,9 @@ def _engine_args(args: argparse.Namespace, runner: str, max_batch: int):
         # cheaper and run different kernels (other GEMM shapes) than the first.
         base["enable_prefix_caching"] = False
     if getattr(args, "gpu_memory_utilization", None) is None:
-        # two engines share the device: each sizes its KV cache from its own share
-        base["gpu_memory_utilization"] = 0.42
+        # the engines share the device: each sizes its KV cache from its own share (0.42
+        # each for two; --engine-loop both keeps four)
+        base["gpu_memory_utilization"] = round(0.84 / max(num_engines, 2), 3)
     if getattr(args, "max_num_batched_tokens", None) is None:
         base["max_num_batched_tokens"] = max(base["max_num_seqs"], 2048 if args.quick else 8192)
     if args.nvtx:  # each engine's own option, not a process-wide switch
@@ -275,3 +289,59 @@ def _engine_args(args: argparse.Namespace, runner: str, max_batch: int):
     return EngineArgs(**base)
 
 
+# ------------------------------------------------------------------ the engine loop
+
+
+@dataclass(frozen=True)
+class EngineLoops:
+    """The engine loops every runner runs, in measuring order, and why."""
+
+    loops: tuple[str, ...]  # ("sync",), ("async",) or ("sync", "async")
+    requested: str  # "default" or the --engine-loop value (--async-scheduling: "async")
+    warning: str | None = None  # the default fell back to sync: which runner forced it
+
+
+def async_capable(runner: str) -> bool:
+    """Whether the policy's feature table says `runner` can run async scheduling."""
+    return features.feature(ASYNC_FEATURE).status(runner) == features.SUPPORTED
+
+
+def resolve_engine_loops(args: argparse.Namespace, runners: list[str]) -> EngineLoops:
+    """--engine-loop (or the engine flag --[no-]async-scheduling, which must agree with it)
+    against what each runner can run. Every runner runs the same loop: a runner that
+    cannot run async scheduling makes the default sync and refuses async and both."""
+    requested, source = _requested_loop(args)
+    unable = [r for r in runners if not async_capable(r)]
+    if requested is None:
+        if not unable:
+            return EngineLoops(("async",), "default")
+        status = features.feature(ASYNC_FEATURE).status(unable[0])
+        return EngineLoops(("sync",), "default", warning=(
+            f"engine loop sync for every runner: {_names(unable)} cannot run async scheduling "
+            f"(policy.features '{ASYNC_FEATURE}': {status}), and ab compares the runners "
+            "under one loop"))
+    if requested != "sync" and unable:
+        able = [r for r in runners if r not in unable]
+        fix = "--engine-loop sync" + (f", or --runners {','.join(able)}" if able else "")
+        raise Refused(f"{source}: {_names(unable)} cannot run async scheduling (policy.features "
+                      f"'{ASYNC_FEATURE}': {features.feature(ASYNC_FEATURE).status(unable[0])}); "
+                      f"use {fix}")
+    loops = ("sync", "async") if requested == "both" else (requested,)
+    return EngineLoops(loops, requested)
+
+
+def _requested_loop(args: argparse.Namespace) -> tuple[str | None, str]:
+    """(the loop asked for or None, the flag that asked) from --engine-loop and the
+    engine flag --[no-]async-scheduling, refusing a contradiction."""
+    loop = args.engine_loop
+    flag = getattr(args, "async_scheduling", None)  # absent unless given
+    if flag is None:
+        return loop, f"--engine-loop {loop}"
+    name, implied = ("--async-scheduling", "async") if flag else ("--no-async-scheduling", "sync")
+    if loop is not None and loop != implied:
+        raise Refused(f"{name} contradicts --engine-loop {loop}; give --engine-loop only")
+    return implied, name if loop is None else f"--engine-loop {loop}"
+
+
+def _names(runners: list[str]) -> str:
+    return " and ".join(r.upper() for r in runners)

@@ -52,24 +52,64 @@ def graph_time_ms(fn, reps: int, calls: int = 10) -> float:
     return cuda_time_ms(graph.replay, reps) / calls
 
 
-def measure_read_bandwidth(device: torch.device, gib: float = 16.0, reps: int = 10) -> float:
-    """HBM read bandwidth in bytes/s: the median time of a float32 sum over `gib` GiB
-    (capped at an eighth of the device's memory), far past the L2 cache.
+def measure_read_bandwidth(device: torch.device, gib: float | None = None, reps: int = 10) -> float:
+    """Read bandwidth in bytes/s: the median time of a float32 sum over `gib` GiB, far past
+    the caches. On CUDA 16 GiB by default (capped at an eighth of the device's memory),
+    timed with CUDA events; on the CPU 0.25 GiB, timed by the clock, on the torch threads
+    in use (what the runners get).
 
-    Why 16 GiB: over 4 GiB the same measurement moved widely between three trials of one
-    process on the H200, and a ratio to a floor built on it moved with it
+    Why 16 GiB on CUDA: over 4 GiB the same measurement moved widely between three trials
+    of one process on the H200, and a ratio to a floor built on it moved with it
     (docs/results/raw/8b91117/h200_read_bandwidth_4gib_measure.json); over 16 GiB it held
     steady (docs/results/raw/8b91117/h200_read_bandwidth.json). The larger buffer also
     gives the higher figure, so the floor does not get easier."""
     if device.type != "cuda":
-        return float("nan")
+        n = int((0.25 if gib is None else gib) * 2**30) // 4
+        x = torch.ones(n, dtype=torch.float32)
+        return n * 4 / _cpu_time_s(x.sum, reps=min(reps, 5))
     total = torch.cuda.get_device_properties(device).total_memory
-    n = int(min(gib * 2**30, total / 8)) // 4
+    n = int(min((16.0 if gib is None else gib) * 2**30, total / 8)) // 4
     x = torch.ones(n, dtype=torch.float32, device=device)
     seconds = cuda_time_ms(x.sum, reps, warmup=2) / 1e3
     del x
     torch.cuda.empty_cache()
     return n * 4 / seconds
+
+
+def measure_gemm_rate(device: torch.device, dtype: torch.dtype, n: int | None = None,
+                      reps: int = 10) -> float:
+    """Dense matmul rate in FLOP/s in the model's dtype: the median time of an n x n by
+    n x n matmul (2 n^3 FLOPs). On CUDA n = 8192, large enough for the tensor cores' peak
+    and timed with CUDA events; on the CPU n = 512, which keeps `runnerlab ab --quick`
+    fast and still runs past the kernel's start-up cost."""
+    cuda = device.type == "cuda"
+    n = n or (8192 if cuda else 512)
+    seconds = _matmul_seconds(device, dtype, n, reps)
+    if cuda:  # the operands are gone with _matmul_seconds' frame: give their memory back
+        torch.cuda.empty_cache()
+    return 2 * n**3 / seconds
+
+
+def _matmul_seconds(device: torch.device, dtype: torch.dtype, n: int, reps: int) -> float:
+    gen = torch.Generator(device=device).manual_seed(0)
+    a, b = (torch.randn(n, n, generator=gen, device=device, dtype=dtype) for _ in range(2))
+    out = torch.empty(n, n, device=device, dtype=dtype)
+    run = lambda: torch.mm(a, b, out=out)
+    if device.type == "cuda":
+        return cuda_time_ms(run, reps, warmup=3) / 1e3
+    return _cpu_time_s(run, min(reps, 5))
+
+
+def _cpu_time_s(fn, reps: int, warmup: int = 1) -> float:
+    """Median wall time of `fn` in seconds, after `warmup` untimed calls."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return float(np.median(times))
 
 
 @dataclass

@@ -14,12 +14,13 @@ import torch
 import shared.harness.ab as ab
 import shared.harness.ab_args as ab_args
 from shared.harness.ab import ab_main
+from shared.harness.chart import build_figure
 from shared.harness.cli import main as cli_main
-from shared.harness.report import build_figure
 
 ON_CPU = not torch.cuda.is_available()
 # tiny sizes: a few seconds per run
 TINY = ["--quick", "--steps", "2", "--batch-sizes", "1,2"]
+SYNC = ab_args.EngineLoops(("sync",), "sync")
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +38,8 @@ def test_ab_quick_writes_json_and_png(quick_run) -> None:
     assert rc == 0, out
     for key in ("model", "dtype", "device", "settings", "workloads", "tokens_identical",
                 "startup_s", "graph_capture_s", "weight_bytes", "runners", "caveats",
-                "v2_triton_interpreter"):
+                "v2_triton_interpreter", "engines", "engine_loops", "warnings",
+                "read_bandwidth_GBps", "gemm_TFLOPs", "gemm_dtype"):
         assert key in report, key
     assert report["runners"] == ["v1", "v2"]
     assert report["tokens_identical"] is True
@@ -127,7 +129,7 @@ def test_model_runner_names_the_one_runner(tmp_path, capsys) -> None:
     assert rc == 0, capsys.readouterr().err
     report = json.loads((tmp_path / "ab.json").read_text())
     assert report["runners"] == ["v2"]
-    assert list(report["workloads"]["decode"][0]) == ["label", "tokens_identical", "run_s", "v2"]
+    assert list(report["workloads"]["decode"][0]) == ["label", "tokens_identical", "run_s", "v2", "floor_ms"]
 
 
 @pytest.mark.parametrize(("argv", "expected"), [
@@ -144,7 +146,11 @@ def test_model_runner_names_the_one_runner(tmp_path, capsys) -> None:
     (["--runners", "v3"], "--runners: unknown runner v3"),
     (["--model-runner", "auto"], "--model-runner auto: ab measures the runners it is told to"),
     (["--model-runner", "v1", "--runners", "v1"], "--model-runner and --runners both"),
-    (["--runners", "v1", "--async-scheduling"], "--async-scheduling applies to V2 only"),
+    (["--engine-loop", "fast"], "--engine-loop: invalid choice: 'fast'"),
+    (["--engine-loop", "sync", "--async-scheduling"],
+     "--async-scheduling contradicts --engine-loop sync; give --engine-loop only"),
+    (["--engine-loop", "both", "--no-async-scheduling"],
+     "--no-async-scheduling contradicts --engine-loop both"),
     (["--workloads", "churn", "--steps", "3"], "--steps sets the decode workload"),
     (["--max-num-seqs", "2", "--batch-sizes", "1,4", "--workloads", "decode"],
      "--max-num-seqs 2 is below the 4"),
@@ -194,17 +200,17 @@ def test_a_failed_write_after_measuring_is_one_line_exit_1(tmp_path, capsys, mon
 @pytest.mark.skipif(not ON_CPU, reason="the CPU default")
 def test_cpu_default_sizes_and_what_they_cut() -> None:
     args = ab_args.build_parser().parse_args([])
-    settings = ab_args._settings(args, "cpu", ["v1", "v2"])
+    settings = ab_args._settings(args, "cpu", ["v1", "v2"], SYNC)
     assert settings["batches"] == list(ab_args.CPU_SIZES.batches)
     assert settings["workloads"] == ["decode", "prefill", "churn"]
     note = settings["defaults_note"]
     assert note.startswith("CPU default") and "no throughput workload" in note
-    gpu = ab_args._settings(args, "cuda", ["v1", "v2"])  # the GPU default is unchanged
+    gpu = ab_args._settings(args, "cuda", ["v1", "v2"], SYNC)  # the GPU default is unchanged
     assert gpu["batches"] == [1, 8, 32, 64, 128, 256, 512, 1024] and gpu["steps"] == 30
     assert gpu["workloads"] == list(ab_args.WORKLOADS) and gpu["defaults_note"] is None
     # a flag that sets a size takes it out of the note
     args = ab_args.build_parser().parse_args(["--batch-sizes", "2", "--steps", "4"])
-    note = ab_args._settings(args, "cpu", ["v1"])["defaults_note"]
+    note = ab_args._settings(args, "cpu", ["v1"], SYNC)["defaults_note"]
     assert "batch sizes" not in note and "measured steps" not in note
 
 
@@ -255,11 +261,11 @@ def test_throughput_engines_admit_the_ladders_top_whatever_the_workloads() -> No
     """nano-vllm's 256 requests run as many at once as the engine admits: a throughput-only
     run must size max_num_seqs like a full one (a run that left it at 16 measured a quarter
     of the throughput, with a different batch history in the async engine)."""
-    full = ab_args._settings(ab_args.build_parser().parse_args([]), "cuda", ["v1", "v2"])
+    full = ab_args._settings(ab_args.build_parser().parse_args([]), "cuda", ["v1", "v2"], SYNC)
     only = ab_args._settings(ab_args.build_parser().parse_args(["--workloads", "throughput"]),
-                             "cuda", ["v1", "v2"])
+                             "cuda", ["v1", "v2"], SYNC)
     assert ab_args.concurrency(only) == ab_args.concurrency(full) == max(ab_args.GPU_SIZES.batches)
     decode = ab_args._settings(
         ab_args.build_parser().parse_args(["--workloads", "decode", "--batch-sizes", "1,4"]),
-        "cuda", ["v1", "v2"])
+        "cuda", ["v1", "v2"], SYNC)
     assert ab_args.concurrency(decode) == 4
