@@ -74,8 +74,7 @@ if want ab; then
     | grep -v "^INFO" | tee "$OUT/ab_sync.log"
 fi
 if want ab_async; then
-  # ... and once with async scheduling in both runners (refused in one line while the
-  # policy's feature table says V1 has none)
+  # ... and once with async scheduling in both runners
   python3 -m shared.harness.cli ab --model qwen3-0.6b --load-format dummy --dtype bfloat16 --device cuda \
     --workloads decode,churn,throughput --engine-loop async --output-dir "$OUT/ab_async" 2>&1 \
     | grep -v "^INFO" | tee "$OUT/ab_async.log"
