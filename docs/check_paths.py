@@ -132,7 +132,7 @@ def fix_line_references() -> int:
     for doc in line_reference_docs():
         text = doc.read_text()
 
-        def repoint(match: re.Match) -> str:
+        def repoint(match: re.Match, doc: Path = doc) -> str:
             nonlocal moved
             path, symbol = match.group("path", "symbol")
             if symbol is None or not (ROOT / path).is_file() or \

@@ -9,7 +9,11 @@ import pytest
 import torch
 
 from shared.contract.step import ModelRunnerOutput
-from shared.runtime.async_output import AsyncModelRunnerOutput, PinnedOutputRing, fill_sampled_output
+from shared.runtime.async_output import (
+    AsyncModelRunnerOutput,
+    PinnedOutputRing,
+    fill_sampled_output,
+)
 
 pytestmark = pytest.mark.gpu
 
