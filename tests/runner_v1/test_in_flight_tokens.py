@@ -73,7 +73,7 @@ def test_scatter_matches_the_model_after_a_reshuffle(num_reqs, seed, data):
         host, inputs.query_start_loc_cpu[1 : inputs.num_reqs + 1].numpy(), req_ids, states,
         inputs.input_ids)
     expected = []
-    for r, n in zip(req_ids, num_scheduled):
+    for r in req_ids:
         if r == "new":
             expected += [5, 6, 7]
         else:
