@@ -120,16 +120,16 @@ class GPUModelRunner(RunnerSetupMixin):
             logits = self.executor.compute_logits(hidden)
             # the position of each logit's input token: the seeded noise is keyed by it
             positions = batch.positions.index_select(0, batch.logits_indices)
-            num_logprobs = self.sampling_states.num_logprobs[batch.idx_mapping_np]
-            max_n = int(num_logprobs.max())
+            # cached per batch composition: the sampler asks for the same flags below
+            flags = self.sampling_states.batch_flags(batch.idx_mapping_np)
             out = self.sampler(
-                logits, batch.idx_mapping, positions, max_n if max_n >= 0 else None,
+                logits, batch.idx_mapping, positions, flags.max_num_logprobs,
                 batch.idx_mapping_np,
             )
         with self.timer.stage("postprocess"):
             # Output set-up counts here, as V1's bookkeeping does. The D2H copy starts
             # first, on a side stream: it overlaps post_update below.
-            async_output = self._make_async_output(batch, out, num_logprobs)
+            async_output = self._make_async_output(batch, out, flags.num_logprobs)
             post_update(
                 batch.idx_mapping, n, out.sampled_token_ids, batch.seq_lens, batch.query_start_loc,
                 self.req_states, self.sampling_states.output_bin_counts,
@@ -207,7 +207,7 @@ class GPUModelRunner(RunnerSetupMixin):
 
     # ---- output -------------------------------------------------------------------------
     def _make_async_output(
-        self, batch: InputBatch, out: SamplerOutput, num_logprobs: np.ndarray
+        self, batch: InputBatch, out: SamplerOutput, num_logprobs: tuple[int, ...]
     ) -> AsyncModelRunnerOutput:
         req_ids = batch.req_ids
         # Which rows sample, decided on the host from exact scheduler counts.
@@ -229,6 +229,6 @@ class GPUModelRunner(RunnerSetupMixin):
         }
 
         fill = functools.partial(
-            fill_sampled_output, is_sampled=is_sampled.tolist(), num_logprobs=num_logprobs.tolist()
+            fill_sampled_output, is_sampled=is_sampled.tolist(), num_logprobs=num_logprobs
         )
         return AsyncModelRunnerOutput(output, tensors, fill, self.copy_stream, self.output_ring)

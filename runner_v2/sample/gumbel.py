@@ -108,9 +108,13 @@ def gumbel_sample(
     seeds: torch.Tensor,
     threshold: torch.Tensor | None,
     block: int = NOISE_BLOCK,
+    workspace: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Sampled token ids int64 [N]: greedy rows take the argmax, random rows Gumbel-max
-    over scaled = logits / temperature restricted to scaled >= threshold (when given)."""
+    over scaled = logits / temperature restricted to scaled >= threshold (when given).
+    workspace: (float64, int64) buffers of at least N * num_blocks elements for the
+    per-block results, reused across calls (stream order keeps reuse safe); allocated
+    per call without it."""
     n, vocab_size = logits.shape
     assert logits.stride(1) == 1
     assert idx_mapping.dtype == torch.int32 and idx_mapping.shape == (n,)
@@ -121,8 +125,12 @@ def gumbel_sample(
         assert threshold.shape == (n,)
         assert threshold.dtype == (torch.float64 if is_fp64 else torch.float32)
     num_blocks = triton.cdiv(vocab_size, block)
-    block_max = torch.empty(n, num_blocks, dtype=torch.float64, device=logits.device)
-    block_arg = torch.empty(n, num_blocks, dtype=torch.int64, device=logits.device)
+    if workspace is not None and workspace[0].numel() >= n * num_blocks:
+        block_max = workspace[0][: n * num_blocks].view(n, num_blocks)
+        block_arg = workspace[1][: n * num_blocks].view(n, num_blocks)
+    else:
+        block_max = torch.empty(n, num_blocks, dtype=torch.float64, device=logits.device)
+        block_arg = torch.empty(n, num_blocks, dtype=torch.int64, device=logits.device)
     out = torch.empty(n, dtype=torch.int64, device=logits.device)
     if n == 0:
         return out

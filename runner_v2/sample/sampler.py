@@ -19,11 +19,21 @@ from runner_v2.sample.penalties import apply_penalties_and_min_tokens
 from runner_v2.sample.states import SamplingStates
 from runner_v2.sample.top_k_top_p import compute_thresholds
 from shared.contract.sampler_output import SamplerOutput
+from shared.sampling.noise_kernels import NOISE_BLOCK
 
 
 class Sampler:
     def __init__(self, states: SamplingStates) -> None:
         self.states = states
+        self._workspace: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def _gumbel_workspace(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-block results of gumbel_sample for up to every state row, allocated once."""
+        n = self.states.max_num_reqs * -(-self.states.vocab_size // NOISE_BLOCK)
+        if self._workspace is None or self._workspace[0].device != logits.device:
+            self._workspace = (torch.empty(n, dtype=torch.float64, device=logits.device),
+                               torch.empty(n, dtype=torch.int64, device=logits.device))
+        return self._workspace
 
     def __call__(
         self,
@@ -49,7 +59,8 @@ class Sampler:
             threshold = compute_thresholds(
                 x, idx_mapping, st.temperature, st.top_k, st.top_p, st.min_p
             )
-        sampled = gumbel_sample(x, idx_mapping, positions, st.temperature, st.seeds, threshold)
+        sampled = gumbel_sample(x, idx_mapping, positions, st.temperature, st.seeds, threshold,
+                                workspace=self._gumbel_workspace(logits))
         if max_num_logprobs is None:
             return SamplerOutput(sampled, None, None, None)
         ids, logprobs, ranks = compute_logprobs(logits, sampled, max_num_logprobs)

@@ -59,6 +59,8 @@ class BatchFlags:
     any_penalties: bool
     any_min_tokens: bool
     any_filter: bool  # top_k, top_p or min_p on a random row
+    num_logprobs: tuple[int, ...] = ()  # per batch row (-1 = none); empty without the rows
+    max_num_logprobs: int | None = None  # None: no row asks for logprobs
 
 
 class SamplingStates:
@@ -102,6 +104,10 @@ class SamplingStates:
         self.min_tokens_np = np.zeros(r, np.int32)
         self.num_logprobs = np.full(r, -1, np.int32)  # host only; -1 = none
         self.written_np = np.zeros(r, bool)  # rows ever written (conservative flags)
+        # batch_flags of the last batch, by its idx_mapping bytes: a steady decode asks for
+        # the same batch every step, and the flags change only when a row is (re)written
+        self._flags_key: bytes | None = None
+        self._flags: BatchFlags | None = None
 
         self._staged: dict[int, np.ndarray] = {}  # row -> record
         self._staged_bins: dict[int, tuple[int, list[int]]] = {}  # row -> (prompt_len, tokens)
@@ -145,6 +151,7 @@ class SamplingStates:
         self.min_tokens_np[row] = sp.min_tokens
         self.num_logprobs[row] = -1 if sp.logprobs is None else sp.logprobs
         self.written_np[row] = True
+        self._flags_key = None  # the row's flags changed
 
         self._staged_bins.pop(row, None)
         if sp.uses_penalties:
@@ -214,17 +221,28 @@ class SamplingStates:
     # ---- flags -------------------------------------------------------------------
 
     def batch_flags(self, idx_mapping_np: np.ndarray | None = None) -> BatchFlags:
-        """Which stages the batch needs. Without the host idx_mapping, every row ever
-        written counts: stale rows may switch a stage on needlessly, never wrongly,
-        because each kernel still reads its own rows' parameters."""
+        """Which stages the batch needs, and its rows' logprob counts. Without the host
+        idx_mapping, every row ever written counts: stale rows may switch a stage on
+        needlessly, never wrongly, because each kernel still reads its own rows'
+        parameters (and there are no per-row logprob counts)."""
+        key = None if idx_mapping_np is None else idx_mapping_np.tobytes()
+        if key is not None and key == self._flags_key:
+            return self._flags
         rows = idx_mapping_np if idx_mapping_np is not None else np.flatnonzero(self.written_np)
         random = self.temperature_np[rows] != 0
         filt = (self.top_k_np[rows] > 0) | (self.top_p_np[rows] < 1) | (self.min_p_np[rows] > 0)
-        return BatchFlags(
+        num_logprobs = self.num_logprobs[rows] if idx_mapping_np is not None else rows[:0]
+        max_n = int(num_logprobs.max()) if num_logprobs.size else -1
+        flags = BatchFlags(
             any_penalties=bool(self.uses_penalties_np[rows].any()),
             any_min_tokens=bool((self.min_tokens_np[rows] > 0).any()),
             any_filter=bool((filt & random).any()),
+            num_logprobs=tuple(num_logprobs.tolist()),
+            max_num_logprobs=max_n if max_n >= 0 else None,
         )
+        if key is not None:
+            self._flags_key, self._flags = key, flags
+        return flags
 
 
 @triton.jit
