@@ -179,24 +179,6 @@ def _engine(**kw):
     return LLMEngine.from_engine_args(EngineArgs(device="cpu", **RUN, **kw))
 
 
-class _EagerGraph:
-    """Stands in for a CUDA graph on CPU: replay re-runs the recorded body (reading the
-    same persistent buffers a graph would) and writes the output the capture returned."""
-
-    def __init__(self, body, output=None) -> None:
-        self.body, self.output = body, output
-
-    def replay(self) -> None:
-        result = self.body()
-        if self.output is not None:
-            self.output.copy_(result)
-
-
-def _record_full(body, pool):
-    output = body()
-    return _EagerGraph(body, output), output
-
-
 V1_GRAPHS = dict(model="tiny-qwen3", dtype="float32", model_runner="v1",
                  attention_backend="TRITON")  # TRITON (interpreted): it runs in FULL graphs
 
@@ -211,8 +193,7 @@ def _run_v1_graph_mode(mode: str, monkeypatch) -> list[str]:
     with an eager stand-in for the recording, on CPU: the tokens of the eager engine."""
     from runner_v1 import cudagraph as v1_cudagraph
     from runner_v1.cudagraph import V1CudaGraphs
-    from runner_v1.piecewise import PiecewiseGraphs
-    from shared.runtime.cudagraph_utils import capture_full_graphs
+    from tests.shared.runtime.eager_graphs import use_eager_graphs
 
     eager = _v1_eager_tokens()
     with monkeypatch.context() as m:  # the config the feature gets on a CUDA machine
@@ -220,10 +201,7 @@ def _run_v1_graph_mode(mode: str, monkeypatch) -> list[str]:
         cuda_config = EngineArgs(device="cuda", cudagraph_mode=mode, **RUN,
                                  **V1_GRAPHS).create_engine_config()
     assert cuda_config.compilation_config.cudagraph_mode == mode
-    monkeypatch.setattr(PiecewiseGraphs, "_record", lambda self, body, pool: _EagerGraph(body))
-    monkeypatch.setattr(v1_cudagraph, "capture_full_graphs",
-                        functools.partial(capture_full_graphs, record=_record_full))
-    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: None)
+    use_eager_graphs(monkeypatch, v1_cudagraph)
     engine = _engine(**V1_GRAPHS)
     runner = engine.runner
     runner.graphs = V1CudaGraphs(cuda_config, torch.device("cuda"), runner.executor,
