@@ -26,6 +26,7 @@ from shared.contract.sampling_params import SamplingParams
 from shared.runtime.cudagraph_utils import padded_size
 from shared.serving.engine import LLMEngine
 from tests.shared.runtime.eager_graphs import use_eager_graphs
+from tests.shared.runtime.graph_workload import Steps, changed_slots, prompt, run_workload
 
 SIZES = [1, 2, 4, 8, 16, 24, 32, 48]  # piecewise sizes; steps of 49..64 tokens run eager
 MAX_NUM_SEQS = 16  # FULL sizes stop here
@@ -34,28 +35,7 @@ RUN = dict(model="tiny-qwen3", seed=0, model_runner="v2", max_model_len=256,
            enable_prefix_caching=False)
 # step index -> prompt lengths arriving before that step (chunked under the 64-token budget)
 ARRIVALS = {0: [5, 90], 2: [3, 40], 4: [1, 70], 7: [17, 8, 2], 10: [30], 12: [2], 13: [17]}
-
-
-def prompt(step: int, i: int, n: int) -> list[int]:
-    return [(step * 131 + i * 17 + j * 7) % 500 + 1 for j in range(n)]  # < every vocab
-
-
-def run_workload(engine: LLMEngine) -> tuple[dict[str, list[int]], list[tuple[int, int, str]]]:
-    """-> (tokens per request, (num_reqs, num_tokens, cudagraph_mode) of each step that ran)."""
-    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
-    tokens: dict[str, list[int]] = {}
-    steps: list[tuple[int, int, str]] = []
-    step = 0
-    while step <= max(ARRIVALS) or engine.has_unfinished_requests():
-        for i, n in enumerate(ARRIVALS.get(step, [])):
-            engine.add_request(f"s{step}-{i}", prompt(step, i, n), params)
-        for out in engine.step():
-            tokens[out.request_id] = out.outputs[0].token_ids
-        stats = engine.runner.step_stats
-        if stats.num_tokens:
-            steps.append((stats.num_reqs, stats.num_tokens, stats.cudagraph_mode))
-        step += 1
-    return tokens, steps
+MAX_TOKENS = 6
 
 
 def expected_mode(num_reqs: int, num_tokens: int, full: bool, piecewise: bool,
@@ -69,13 +49,20 @@ def expected_mode(num_reqs: int, num_tokens: int, full: bool, piecewise: bool,
     return "NONE"
 
 
-def changed_slots(before: list[torch.Tensor], after: list[torch.Tensor]) -> set[int]:
-    """KV slots (block * block_size + offset) whose K or V changed in any layer."""
-    changed = None
-    for old, new in zip(before, after):
-        diff = (old != new).reshape(2, -1, old.shape[-2] * old.shape[-1]).any(dim=-1).any(dim=0)
-        changed = diff if changed is None else changed | diff
-    return set(torch.nonzero(changed).flatten().tolist())
+def check_modes(steps: Steps, full: bool, piecewise: bool) -> None:
+    """Every step ran in the mode expected_mode gives, each mode the config enables was
+    used (the workload has steps of every kind), and the piecewise steps covered several
+    graph sizes, most of them padded, some beyond any FULL size."""
+    for num_reqs, num_tokens, got in steps:
+        want = expected_mode(num_reqs, num_tokens, full, piecewise, SIZES, MAX_NUM_SEQS)
+        assert got == want, (num_reqs, num_tokens, got)
+    want_modes = {"NONE"} | ({"FULL"} if full else set()) | ({"PIECEWISE"} if piecewise else set())
+    assert {m for _, _, m in steps} == want_modes
+    if piecewise:
+        pw = [n for _, n, m in steps if m == "PIECEWISE"]
+        assert len({padded_size(n, SIZES) for n in pw}) >= 4, pw
+        assert sum(padded_size(n, SIZES) > n for n in pw) >= 3, pw
+        assert any(n > MAX_NUM_SEQS for n in pw), pw
 
 
 def _engine(dtype: str, backend: str, mode: str | None, monkeypatch) -> LLMEngine:
@@ -103,7 +90,7 @@ def _engine(dtype: str, backend: str, mode: str | None, monkeypatch) -> LLMEngin
 
 @functools.cache
 def _eager_tokens(backend: str) -> dict[str, list[int]]:
-    tokens, steps = run_workload(_engine("float64", backend, None, None))
+    tokens, steps = run_workload(_engine("float64", backend, None, None), ARRIVALS, MAX_TOKENS)
     assert {m for _, _, m in steps} == {"NONE"}
     return tokens
 
@@ -126,27 +113,16 @@ def test_graphed_v2_gives_the_eager_tokens_in_the_expected_modes(
     manager = engine.runner.cudagraph_manager
     # The mode decides which graphs exist: PIECEWISE captures no FULL graph.
     assert bool(manager.graphs) == full and (manager.piecewise is not None) == piecewise
-    tokens, steps = run_workload(engine)
-    for num_reqs, num_tokens, got in steps:
-        want = expected_mode(num_reqs, num_tokens, full, piecewise, SIZES, MAX_NUM_SEQS)
-        assert got == want, (num_reqs, num_tokens, got)
-    # the workload has steps of every kind: each mode the config enables is used
-    want_modes = {"NONE"} | ({"FULL"} if full else set()) | ({"PIECEWISE"} if piecewise else set())
-    assert {m for _, _, m in steps} == want_modes
-    if piecewise:
-        pw = [n for _, n, m in steps if m == "PIECEWISE"]
-        assert len({padded_size(n, SIZES) for n in pw}) >= 4, pw  # several graph sizes
-        assert sum(padded_size(n, SIZES) > n for n in pw) >= 3, pw  # most of them padded
-        assert any(n > MAX_NUM_SEQS for n in pw)  # beyond any FULL size
+    tokens, steps = run_workload(engine, ARRIVALS, MAX_TOKENS)
+    check_modes(steps, full, piecewise)
     assert tokens == _eager_tokens(backend)
 
 
-def test_padded_piecewise_step_writes_exactly_its_real_slots(monkeypatch) -> None:
+def check_padded_piecewise_step(engine: LLMEngine) -> None:
     """A 47-token prefill (padded to 48), then a decode + a 20-token prefill: 21 tokens
     padded to 24 over static rows the 47-token step filled. The KV cache changes at the
     21 real tokens' slots and nowhere else, and the padded tail is id 0 / position 0 /
-    PAD."""
-    engine = _engine("float64", "TORCH", "FULL_AND_PIECEWISE", monkeypatch)
+    PAD. `engine`: fresh, with SIZES as its piecewise capture sizes."""
     runner = engine.runner
     params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
     engine.add_request("big", prompt(0, 0, 47), params)
@@ -168,3 +144,7 @@ def test_padded_piecewise_step_writes_exactly_its_real_slots(monkeypatch) -> Non
     assert runner.buffers.input_ids[21:size].tolist() == [0] * (size - 21)
     assert runner.buffers.positions[21:size].tolist() == [0] * (size - 21)
     assert changed_slots(before, kv) == set(real)
+
+
+def test_padded_piecewise_step_writes_exactly_its_real_slots(monkeypatch) -> None:
+    check_padded_piecewise_step(_engine("float64", "TORCH", "FULL_AND_PIECEWISE", monkeypatch))
