@@ -85,7 +85,8 @@ def graph_sizes(config: EngineConfig, on_cuda: bool, backend: Any, label: str) -
     """FULL graphs for cudagraph_mode FULL / FULL_AND_PIECEWISE with a backend that can
     run inside one; PIECEWISE graphs for PIECEWISE / FULL_AND_PIECEWISE with any backend
     (attention runs eagerly between them); neither off CUDA. The mode was resolved by
-    policy (NONE on CPU or with enforce_eager)."""
+    policy (NONE on CPU or with enforce_eager). `backend`: the executor's attention
+    backend, of which only `supports_full_cudagraph` and `name` are read."""
     mode = config.compilation_config.cudagraph_mode
     sizes = config.compilation_config.cudagraph_capture_sizes
     sc = config.scheduler_config
@@ -100,7 +101,7 @@ def graph_sizes(config: EngineConfig, on_cuda: bool, backend: Any, label: str) -
         logger.info(
             "%s cudagraph_mode=%s with the %s attention backend: no FULL graphs (it cannot "
             "run inside one)%s", label, mode, backend.name,
-            "; piecewise graphs cover every batch" if piecewise_enabled else "",
+            "; piecewise graphs cover every batch that fits" if piecewise_enabled else "",
         )
     full_enabled = wants_full and backend.supports_full_cudagraph
     return GraphSizes(full_sizes, piecewise_sizes, full_enabled, piecewise_enabled)
