@@ -21,9 +21,11 @@ given and its name (the part after the last dot: `Sampler.__call__` -> `__call__
 as a whole word on that line. Point at the symbol's def / class / assignment line. When
 code moves, a stale reference is reported with the line(s) where the name is now defined.
 
-Exit status 1 on any missing path or wrong line reference.
+Exit status 1 on any missing path or wrong line reference. `--fix` first moves every
+stale line reference whose symbol is now defined at exactly one line of its file to
+that line (text and anchor), then checks; anything else stays for a person to fix.
 
-    python docs/check_paths.py [-v]
+    python docs/check_paths.py [-v] [--fix]
 """
 
 from __future__ import annotations
@@ -110,12 +112,44 @@ def line_reference_error(doc: Path, match: re.Match) -> str | None:
     name = symbol.rsplit(".", 1)[-1]
     if re.search(rf"(?<!\w){re.escape(name)}(?!\w)", lines[n - 1]):
         return None
-    defined = [i for i, text in enumerate(lines, 1) if re.match(
-        rf"\s*(?:(?:async\s+)?def|class)\s+{re.escape(name)}\b|\s*{re.escape(name)}\s*[:=]",
-        text)]
+    defined = defined_lines(path, name)
     where = (f"`{name}` is defined at line {', '.join(map(str, defined[:5]))}" if defined
              else f"`{name}` is defined nowhere in {path}")
     return f"line {n} reads {lines[n - 1].strip()[:60]!r}; {where}"
+
+
+def defined_lines(path: str, name: str) -> list[int]:
+    """Lines of `path` where `name` is defined (def / class / assignment)."""
+    lines = (ROOT / path).read_text().splitlines()
+    return [i for i, text in enumerate(lines, 1) if re.match(
+        rf"\s*(?:(?:async\s+)?def|class)\s+{re.escape(name)}\b|\s*{re.escape(name)}\s*[:=]",
+        text)]
+
+
+def fix_line_references() -> int:
+    """Move stale references to their symbol's one definition; -> how many moved."""
+    moved = 0
+    for doc in line_reference_docs():
+        text = doc.read_text()
+
+        def repoint(match: re.Match) -> str:
+            nonlocal moved
+            path, symbol = match.group("path", "symbol")
+            if symbol is None or not (ROOT / path).is_file() or \
+                    line_reference_error(doc, match) is None:
+                return match.group(0)
+            where = defined_lines(path, symbol.rsplit(".", 1)[-1])
+            if len(where) != 1:
+                return match.group(0)
+            moved += 1
+            old = match.group("line")
+            fixed = match.group(0).replace(f"{path}:{old}`", f"{path}:{where[0]}`", 1)
+            return fixed.replace(f"#L{old})", f"#L{where[0]})", 1)
+
+        new = LINE_REF.sub(repoint, text)
+        if new != text:
+            doc.write_text(new)
+    return moved
 
 
 def line_reference_docs() -> list[Path]:
@@ -151,6 +185,8 @@ def files(pattern: str) -> list[Path]:
 
 def main() -> int:
     verbose = "-v" in sys.argv
+    if "--fix" in sys.argv:
+        print(f"{fix_line_references()} line references moved to their symbol's definition")
     checked = missing = 0
     sources = [(d, doc_references) for d in [ROOT / "README.md", *files("docs/**/*.md")]]
     sources += [(s, code_references) for s in files("**/*.py") + files("**/*.sh")]

@@ -64,7 +64,7 @@ class EngineArgs(BaseModel):
     enable_prefix_caching: bool = Field(True, description="reuse cached KV blocks of shared prefixes")
     enable_chunked_prefill: bool = Field(True, description="split long prefills across steps")
     async_scheduling: bool = Field(
-        False, description="schedule step N+1 while step N runs on the GPU (V2 only)")
+        False, description="schedule step N+1 while step N runs on the GPU (both runners)")
     enforce_eager: bool = Field(False, description="never use CUDA graphs")
     cudagraph_mode: Literal["auto", "NONE", "PIECEWISE", "FULL", "FULL_AND_PIECEWISE"] = Field(
         "auto", description="auto: FULL_AND_PIECEWISE (both runners), NONE on CPU or when "

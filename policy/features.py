@@ -83,10 +83,10 @@ FEATURES: tuple[Feature, ...] = (
         "for the other batches that fit",
     ),
     Feature(
-        "async scheduling", UNSUPPORTED, SUPPORTED, "async_scheduling=False",
+        "async scheduling", SUPPORTED, SUPPORTED, "async_scheduling=False",
         lambda s: bool(s["async_scheduling"]),
-        "vLLM: both runners (V1 scatters the previous step's GPU tokens into input_ids); "
-        "here V2 only: V1 builds input ids and penalties from host token tables",
+        "both runners: V1 scatters the previous step's device tokens into input_ids and "
+        "keeps placeholders on the host until they land; V2 reads them on the device",
     ),
     Feature(
         "tensor parallelism > 1", UNSUPPORTED, UNSUPPORTED, "tensor_parallel_size=1",

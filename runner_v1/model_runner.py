@@ -2,12 +2,15 @@
 
 The step is a thin spine: update the persistent batch (four ordered phases), prepare
 inputs in NumPy into pinned buffers, forward (eager or an implicitly dispatched CUDA
-graph), sample with PyTorch ops, write the sampled tokens back into the batch.
+graph), sample with PyTorch ops, write the sampled tokens back into the batch. Under
+async scheduling the tokens go back as placeholders whose values land later
+(runner_v1/in_flight_tokens.py), and the output is an async output object.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -18,13 +21,19 @@ import torch
 
 from policy.config import EngineConfig
 from runner_v1.cudagraph import V1CudaGraphs
+from runner_v1.in_flight_tokens import InFlightTokens
 from runner_v1.persistent_batch import PersistentBatch
 from runner_v1.prepare_inputs import InputBuffers, PreparedInputs, prepare_inputs
 from runner_v1.request_state import CachedRequestState
 from runner_v1.sampler import Sampler
 from runner_v1.sampling_metadata import SamplingMetadata
 from shared.contract.sampler_output import SamplerOutput
-from shared.contract.step import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
+from shared.contract.step import ModelRunnerOutput, SchedulerOutput
+from shared.runtime.async_output import (
+    AsyncModelRunnerOutput,
+    PinnedOutputRing,
+    fill_sampled_output,
+)
 from shared.runtime.model_executor import ModelExecutor
 from shared.runtime.runner_base import RunnerSetupMixin
 from shared.runtime.step_timing import StageTimer
@@ -44,6 +53,9 @@ class _ExecuteState:
 
 class GPUModelRunner(RunnerSetupMixin):
     runner_name = "v1"
+    # The previous step's sampled ids stay on the device and are scattered into the next
+    # step's input ids; the host tables hold placeholders until the copy lands.
+    supports_async_scheduling = True
 
     def __init__(self, config: EngineConfig, device: torch.device):
         self.config = config
@@ -68,6 +80,10 @@ class GPUModelRunner(RunnerSetupMixin):
         # out of them must be done before NumPy overwrites them (V1's async barrier).
         self.prepare_inputs_event = torch.cuda.Event() if device.type == "cuda" else None
         self._state: _ExecuteState | None = None
+        self.async_scheduling = sc.async_scheduling
+        self.in_flight = InFlightTokens(self.max_num_tokens, device)
+        self.copy_stream = torch.cuda.Stream() if device.type == "cuda" else None
+        self.output_ring = PinnedOutputRing()
 
     # ---- runner protocol: set-up (load_model, KV sizing: RunnerSetupMixin) ----------
     def capture_model(self) -> None:
@@ -88,10 +104,14 @@ class GPUModelRunner(RunnerSetupMixin):
         so = scheduler_output
         self.timer.begin_step(so.num_reqs, so.total_num_scheduled_tokens)
         with self.timer.stage("preprocess"), self.synchronize_input_prep():
+            if self.in_flight:  # tokens older than the latest step have landed by now
+                self.in_flight.land(self.persistent_batch, keep_latest=True)
             self._update_states(so)
             if so.total_num_scheduled_tokens == 0:
                 # finishes and adds applied, nothing to run; emit this step's BatchUpdate
-                # now so its records are not folded into the next step's
+                # now so its records are not folded into the next step's. Nothing will
+                # read the latest sampled ids on the device: land them too.
+                self.in_flight.land(self.persistent_batch, keep_latest=False)
                 self.persistent_batch.refresh_sampling_metadata()
                 self._state = None
                 return None
@@ -104,6 +124,12 @@ class GPUModelRunner(RunnerSetupMixin):
             inputs = prepare_inputs(
                 batch, num_scheduled, self.buffers, plan.num_tokens_padded, plan.num_reqs_padded
             )
+            if self.in_flight:
+                self.in_flight.scatter_into_input_ids(
+                    self.buffers.input_ids.np[: inputs.num_tokens],
+                    inputs.query_start_loc_cpu[1 : inputs.num_reqs + 1].numpy(),
+                    req_ids, self.requests, inputs.input_ids,
+                )
             attn_metadata = None
             if plan.mode != "FULL":  # a FULL replay reads the persistent buffers directly
                 common = inputs.common_attn_metadata(
@@ -123,6 +149,10 @@ class GPUModelRunner(RunnerSetupMixin):
             return ModelRunnerOutput.empty()
         inputs = state.inputs
         with self.timer.stage("sample"):
+            if self.in_flight and state.sampling_metadata.repetition_penalty is not None:
+                # The penalties count output tokens on the host: wait for the copy of the
+                # latest step's (it overlapped this step's forward) and land them.
+                self.in_flight.land(self.persistent_batch, keep_latest=False)
             hidden = state.hidden_states[inputs.logits_indices]
             logits = self.executor.compute_logits(hidden)
             # the position of each logit's input token: the seeded noise is keyed by it
@@ -141,6 +171,7 @@ class GPUModelRunner(RunnerSetupMixin):
         self._state = None
         self.requests.clear()
         self.persistent_batch.clear()
+        self.in_flight.clear()
 
     # ---- the four ordered phases ------------------------------------------------------
     def _update_states(self, so: SchedulerOutput) -> None:
@@ -181,42 +212,37 @@ class GPUModelRunner(RunnerSetupMixin):
         batch.reorder_decodes_first(scheduled)
 
     # ---- after sampling -----------------------------------------------------------------
-    def _bookkeeping(self, state: _ExecuteState, out: SamplerOutput) -> ModelRunnerOutput:
+    def _bookkeeping(
+        self, state: _ExecuteState, out: SamplerOutput
+    ) -> ModelRunnerOutput | AsyncModelRunnerOutput:
         inputs, req_ids = state.inputs, state.req_ids
         num_reqs = inputs.num_reqs
-        sampled = out.sampled_token_ids.cpu().numpy()  # the step's one sync
         batch = self.persistent_batch
         # A row samples only when its chunk reaches the end of what it has to prefill;
         # a partial prefill chunk's token is computed and dropped.
         seq_lens = inputs.seq_lens_cpu[:num_reqs].numpy()
         is_sampled = seq_lens >= batch.num_tokens[:num_reqs]
         rows = np.flatnonzero(is_sampled)
-        batch.append_output_tokens(rows, sampled[rows])
-        sampled_lists: list[list[int]] = [[] for _ in range(num_reqs)]
-        for row, token in zip(rows.tolist(), sampled[rows].tolist()):
-            self.requests[req_ids[row]].output_token_ids.append(token)
-            sampled_lists[row] = [token]
-        logprobs = self._logprobs_lists(state.sampling_metadata, out, is_sampled)
-        return ModelRunnerOutput(
+        output = ModelRunnerOutput(
             req_ids=req_ids,
             req_id_to_index={r: i for i, r in enumerate(req_ids)},
-            sampled_token_ids=sampled_lists,
-            logprobs=logprobs,
+            sampled_token_ids=[],
         )
-
-    @staticmethod
-    def _logprobs_lists(
-        metadata: SamplingMetadata, out: SamplerOutput, is_sampled: np.ndarray
-    ) -> list[TokenLogprobs | None] | None:
-        if out.logprobs is None:
-            return None
-        ids = out.logprob_token_ids.cpu().tolist()
-        lps = out.logprobs.cpu().tolist()
-        ranks = out.ranks.cpu().tolist()
-        result: list[TokenLogprobs | None] = []
-        for row, n in enumerate(metadata.num_logprobs):
-            if n < 0 or not is_sampled[row]:
-                result.append(None)
-                continue
-            result.append(TokenLogprobs(ids[row][: 1 + n], lps[row][: 1 + n], ranks[row]))
-        return result
+        tensors = {"sampled": out.sampled_token_ids, "ids": out.logprob_token_ids,
+                   "lps": out.logprobs, "ranks": out.ranks}
+        fill = functools.partial(fill_sampled_output, is_sampled=is_sampled.tolist(),
+                                 num_logprobs=state.sampling_metadata.num_logprobs)
+        if self.async_scheduling:
+            # No sync: placeholders now, the values when the side-stream copy lands.
+            pending = AsyncModelRunnerOutput(
+                output, tensors, fill, self.copy_stream, self.output_ring)
+            states = [self.requests[req_ids[row]] for row in rows.tolist()]
+            self.in_flight.record(batch, states, rows, out.sampled_token_ids, pending)
+            return pending
+        host = {k: None if t is None else t.cpu() for k, t in tensors.items()}  # the one sync
+        fill(output, host)
+        sampled = host["sampled"].numpy()
+        batch.append_output_tokens(rows, sampled[rows])
+        for row, token in zip(rows.tolist(), sampled[rows].tolist()):
+            self.requests[req_ids[row]].output_token_ids.append(token)
+        return output

@@ -138,10 +138,13 @@ def sample(x: torch.Tensor, metadata: SamplingMetadata,
     temp = metadata.temperature.to(x.dtype)
     # greedy rows divide by 1; their result is replaced by the greedy token below
     scaled = x / torch.where(temp == 0, torch.ones_like(temp), temp)[:, None]
-    scores = scaled.to(torch.float64) + gumbel_noise(metadata.seeds, positions.to(torch.int64), x.shape[1])
+    # In place on the fresh float64 noise: the same sum (scaled widens exactly, the add is
+    # commutative) without another [N, vocab] float64 tensor, which at a large batch is
+    # a sizeable share of the step's memory traffic.
+    scores = gumbel_noise(metadata.seeds, positions.to(torch.int64), x.shape[1]).add_(scaled)
     threshold = filter_threshold(scaled, metadata)
     if threshold is not None:
-        scores = scores.masked_fill(scaled < threshold[:, None], float("-inf"))
+        scores.masked_fill_(scaled < threshold[:, None], float("-inf"))
     random = scores.argmax(dim=-1)  # first maximum: lowest id on ties
     if greedy is None:
         return random

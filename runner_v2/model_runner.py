@@ -9,6 +9,7 @@ ids, and advance the device state with the post_update kernel.
 
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import dataclass
 from typing import Any
@@ -17,7 +18,6 @@ import numpy as np
 import torch
 
 from policy.config import EngineConfig
-from runner_v2.async_output import AsyncModelRunnerOutput
 from runner_v2.block_tables import BlockTables
 from runner_v2.cudagraph import CudaGraphManager
 from runner_v2.input_batch import InputBatch, InputBuffers, gather_batch_req_state, prepare_inputs
@@ -27,7 +27,12 @@ from runner_v2.sample.states import SamplingStates
 from runner_v2.states import RequestState
 from shared.attention.metadata import CommonAttentionMetadata
 from shared.contract.sampler_output import SamplerOutput
-from shared.contract.step import ModelRunnerOutput, SchedulerOutput, TokenLogprobs
+from shared.contract.step import ModelRunnerOutput, SchedulerOutput
+from shared.runtime.async_output import (
+    AsyncModelRunnerOutput,
+    PinnedOutputRing,
+    fill_sampled_output,
+)
 from shared.runtime.model_executor import ModelExecutor
 from shared.runtime.runner_base import RunnerSetupMixin
 from shared.runtime.step_timing import StageTimer
@@ -65,6 +70,7 @@ class GPUModelRunner(RunnerSetupMixin):
             config, device, self.executor, self.buffers, self.block_tables
         )
         self.copy_stream = torch.cuda.Stream() if device.type == "cuda" else None
+        self.output_ring = PinnedOutputRing()
         self.timer = StageTimer("runner_v2", use_cuda_events=device.type == "cuda")
         self.max_num_tokens = T
         self.max_num_reqs = R
@@ -122,9 +128,10 @@ class GPUModelRunner(RunnerSetupMixin):
                 logits, batch.idx_mapping, positions, max_n if max_n >= 0 else None,
                 batch.idx_mapping_np,
             )
-            # Start the D2H copy now, on a side stream: it overlaps post_update below.
-            async_output = self._make_async_output(batch, out, num_logprobs)
         with self.timer.stage("postprocess"):
+            # Output set-up counts here, as V1's bookkeeping does. The D2H copy starts
+            # first, on a side stream: it overlaps post_update below.
+            async_output = self._make_async_output(batch, out, num_logprobs)
             post_update(
                 batch.idx_mapping, n, out.sampled_token_ids, batch.seq_lens, batch.query_start_loc,
                 self.req_states, self.sampling_states.output_bin_counts,
@@ -206,7 +213,6 @@ class GPUModelRunner(RunnerSetupMixin):
     def _make_async_output(
         self, batch: InputBatch, out: SamplerOutput, num_logprobs: np.ndarray
     ) -> AsyncModelRunnerOutput:
-        n = batch.num_reqs
         req_ids = batch.req_ids
         # Which rows sample, decided on the host from exact scheduler counts.
         idx = batch.idx_mapping_np
@@ -226,18 +232,7 @@ class GPUModelRunner(RunnerSetupMixin):
             "ranks": out.ranks,
         }
 
-        def fill(output: ModelRunnerOutput, host: dict[str, torch.Tensor | None]) -> None:
-            tokens = host["sampled"].tolist()
-            output.sampled_token_ids = [
-                [tokens[i]] if is_sampled[i] else [] for i in range(n)
-            ]
-            if host["lps"] is None:
-                return
-            ids, lps, ranks = host["ids"].tolist(), host["lps"].tolist(), host["ranks"].tolist()
-            output.logprobs = [
-                TokenLogprobs(ids[i][: 1 + k], lps[i][: 1 + k], ranks[i])
-                if k >= 0 and is_sampled[i] else None
-                for i, k in enumerate(num_logprobs.tolist())
-            ]
-
-        return AsyncModelRunnerOutput(output, tensors, fill, self.copy_stream)
+        fill = functools.partial(
+            fill_sampled_output, is_sampled=is_sampled.tolist(), num_logprobs=num_logprobs.tolist()
+        )
+        return AsyncModelRunnerOutput(output, tensors, fill, self.copy_stream, self.output_ring)

@@ -2,7 +2,10 @@
 unless --eager), the top GPU kernels by device time and the top CPU ops by self time.
 
   python3 scripts/profile_decode.py --model qwen3-0.6b --batch 1 [--runner v2] [--eager]
-      [--pdl] [--out DIR]
+      [--pdl] [--async-scheduling] [--nano-prompts] [--out DIR]
+
+--nano-prompts takes the prompts of the throughput workload (lengths 100-1024, ragged
+contexts as in `runnerlab ab --workloads throughput`) instead of 128 tokens each.
 """
 
 from __future__ import annotations
@@ -30,6 +33,8 @@ def main() -> int:
     p.add_argument("--pdl", action="store_true",
                    help="keep programmatic dependent launch on: a kernel's time then includes "
                         "its wait for the one before, so per-kernel times overlap")
+    p.add_argument("--async-scheduling", action="store_true")
+    p.add_argument("--nano-prompts", action="store_true")
     args = p.parse_args()
     from policy import EngineArgs
     from policy.kernel_options import KernelOptions
@@ -37,13 +42,20 @@ def main() -> int:
     engine = LLMEngine.from_engine_args(EngineArgs(
         model=args.model, load_format="dummy", dtype="bfloat16", device="cuda", seed=0,
         model_runner=args.runner, enforce_eager=args.eager, max_num_seqs=max(8, args.batch),
-        max_model_len=2048, num_gpu_blocks_override=4096, enable_prefix_caching=False,
-        kernel_options=KernelOptions(pdl=args.pdl),
+        max_model_len=2048, num_gpu_blocks_override=max(4096, args.batch * 2048 // 16),
+        enable_prefix_caching=False, kernel_options=KernelOptions(pdl=args.pdl),
+        async_scheduling=args.async_scheduling, max_num_batched_tokens=8192,
     ))
-    params = SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)
-    for i in range(args.batch):
-        engine.add_request(str(i), [(i * 7 + j) % 1000 + 1 for j in range(128)], params)
-    for _ in range(8):
+    params = SamplingParams(max_tokens=64, temperature=0.6, seed=0, ignore_eos=True)
+    if args.nano_prompts:
+        from shared.harness.workloads import nano_vllm_workload
+
+        prompts = nano_vllm_workload(num_requests=args.batch)[0]
+    else:
+        prompts = [[(i * 7 + j) % 1000 + 1 for j in range(128)] for i in range(args.batch)]
+    for i, prompt in enumerate(prompts):
+        engine.add_request(str(i), prompt, params)
+    for _ in range(8 if not args.nano_prompts else 40):  # past the prefills
         engine.step()
     torch.cuda.synchronize()
     acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]

@@ -1,17 +1,18 @@
 """`runnerlab diff`: the scenario library through V1, V2, Hugging Face and a solo run.
 
     runnerlab diff [--model M] [--dtype float64] [--device cpu|cuda] [--scenarios a,b]
-                   [--seeds 0,1] [--engines v1,v2,v2-async,hf,solo] [--quick] [--json]
+                   [--seeds 0,1] [--engines v1,v2,v1-async,v2-async,hf,solo] [--quick] [--json]
 
-Engines: `v1`, `v2` (the runners, forced by argument), `v2-async` (V2 with the engine's
-async scheduling: step N+1 launched before step N's tokens are read back), `hf` (transformers greedy on the
+Engines: `v1`, `v2` (the runners, forced by argument), `v1-async`, `v2-async` (the runner
+with the engine's async scheduling: step N+1 launched before step N's tokens are read
+back), `hf` (transformers greedy on the
 same weights; greedy scenarios of a supported model only) and `solo` (each request
 alone through the first listed runner; scenarios that declare a solo reference). A
 random-weight preset is materialised as a seeded HF checkpoint (one per seed) whenever
 `hf` is asked for, and every engine then runs on that directory.
 
 Pairs: every two runners compare exactly (tokens, finish reasons, logprob dicts; against
-`v2-async`, an aborted request may lack the one token that was in flight); a
+an async engine, an aborted request may lack the one token that was in flight); a
 runner against `hf` or `solo` compares each reference request over the runner's tokens
 (an aborted request's prefix; `hf` only where the request is plain greedy).
 
@@ -42,7 +43,7 @@ from shared.harness.compare import PairReport, compare_runs
 from shared.harness.scenario_run import RequestRecord, ScenarioRun, run_scenario, run_solo
 from shared.harness.scenarios import QUICK_SCENARIOS, SCENARIOS, Scenario, build_scenario
 
-RUNNERS = ("v1", "v2", "v2-async")
+RUNNERS = ("v1", "v2", "v1-async", "v2-async")
 ENGINES = (*RUNNERS, "hf", "solo")
 DEFAULT_ENGINES = "v1,v2,hf,solo"
 # |logprob| tolerance between runners (and a runner and its solo run): both share the
@@ -95,7 +96,7 @@ def build_engine(setup: DiffSetup, runner: str, engine_kwargs: dict[str, Any]):
     from policy import EngineArgs
     from shared.serving.engine import LLMEngine
 
-    runner, _, mode = runner.partition("-")  # "v2-async": V2 with async scheduling
+    runner, _, mode = runner.partition("-")  # "v1-async": V1 with async scheduling
     kwargs = dict(engine_kwargs)
     if mode == "async":
         kwargs["async_scheduling"] = True
@@ -326,7 +327,7 @@ def _refusal(args: argparse.Namespace) -> str | None:
     """Flags that conflict or would be accepted and do nothing."""
     runners = [e for e in args.engines if e in RUNNERS]
     if not runners:
-        return "--engines needs v1, v2 or v2-async (hf and solo are references)"
+        return "--engines needs v1, v2, v1-async or v2-async (hf and solo are references)"
     if args.quick and args.scenarios:
         return ("--quick picks the scenarios (" + ",".join(QUICK_SCENARIOS) + "), and so does "
                 "--scenarios; give one of them")

@@ -67,6 +67,7 @@ class ScenarioRun:
             )
             if s.num_tokens > 0:
                 previous = s
+        counts["stop_token"] = sum(r.finish_reason == "stop" for r in self.requests.values())
         return counts
 
     def missing_events(self, expects: tuple[str, ...]) -> list[str]:

@@ -62,6 +62,7 @@ BASE_ENGINE: dict[str, Any] = dict(
 EVENTS = (
     "preemption", "resume", "prefix_hit", "chunked_prefill_with_decode", "zero_token_step",
     "resubmit_same_step", "finish_and_add_same_step", "decode_batch_shrink",
+    "stop_token",  # a request finished on one of its stop_token_ids (from the records)
 )
 
 
@@ -269,13 +270,38 @@ def zero_token_step(rng: random.Random, vocab: int) -> Scenario:
     )
 
 
+def stops_in_flight(rng: random.Random, vocab: int) -> Scenario:
+    # Each request stops on any of ~100 random ids once its min_tokens window closes, so
+    # under async scheduling a stop (and a window closing) is reached on a step whose
+    # tokens are still in flight while the next step runs; one request is aborted with a
+    # step in flight, another runs penalties over its in-flight outputs.
+    def stops() -> list[int]:
+        return sorted(rng.sample(range(3, vocab), min(100, vocab - 3)))
+
+    first = [
+        Add("a", _prompt(rng, vocab, 5), _greedy(12, stop_token_ids=stops(), min_tokens=3)),
+        Add("b", _prompt(rng, vocab, 8), _seeded(rng, 12, stop_token_ids=stops(), min_tokens=2,
+                                                  logprobs=1)),
+        Add("c", _prompt(rng, vocab, 6), _greedy(12, stop_token_ids=stops(), min_tokens=4,
+                                                  repetition_penalty=1.2, frequency_penalty=0.4)),
+        Add("d", _prompt(rng, vocab, 7), _greedy(12)),
+        Add("e", _prompt(rng, vocab, 4), _seeded(rng, 12, stop_token_ids=stops())),
+    ]
+    later = _adds(rng, vocab, [("f", 5, _greedy(6, stop_token_ids=stops(), min_tokens=1))])
+    return Scenario(
+        "stops_in_flight", "stop ids, min_tokens windows and an abort reached while the "
+        "next step is in flight", [*first, Step(3), Abort(("d",)), *later],
+        greedy=False, seeded=True, expects=("stop_token",),
+    )
+
+
 ScenarioBuilder = Callable[[random.Random, int], Scenario]
 SCENARIOS: dict[str, ScenarioBuilder] = {
     f.__name__: f
     for f in (
         greedy_logprobs, out_of_order_finish, abort_resubmit, preemption, chunked_prefill,
         prefix_cache, padded_batch, seeded_sampling, seeded_preemption, penalties_preemption,
-        zero_token_step,
+        zero_token_step, stops_in_flight,
     )
 }
 # `runnerlab diff --quick`: one of each kind of hard case, short.

@@ -27,8 +27,9 @@ SUPPORTED_BY = {
     # implementation, design-notes "Piecewise CUDA graphs (both runners)")
     "cudagraph_mode='PIECEWISE'": {"v1", "v2"},
     "cudagraph_mode='FULL_AND_PIECEWISE'": {"v1", "v2"},
-    # "V2 only": V1's input ids and penalties come from host token tables that would lag
-    "async scheduling": {"v2"},
+    # "both runners": V1 scatters the previous step's device tokens into its input ids
+    # (placeholders on the host until they land), V2 keeps them on the device
+    "async scheduling": {"v1", "v2"},
     # one process, one device: no parallelism on either runner
     "tensor parallelism > 1": set(),
     "pipeline parallelism > 1": set(),
@@ -243,12 +244,12 @@ def _run_full_and_piecewise(runner: str):
     return run
 
 
-def _run_async_scheduling(monkeypatch):
-    """V2 schedules step N+1 before it reads step N's tokens: V1's tokens (synchronous),
-    greedy and seeded, with tokens in flight along the way."""
+def _run_async_scheduling(runner: str):
+    """The runner schedules step N+1 before it reads step N's tokens: V1's tokens
+    (synchronous), greedy and seeded, with tokens in flight along the way."""
     kw = dict(model="tiny-llama", dtype="float64")
     sync, _, _ = _generate(_engine(model_runner="v1", **kw), sampled=True)
-    engine = _engine(model_runner="v2", async_scheduling=True, **kw)
+    engine = _engine(model_runner=runner, async_scheduling=True, **kw)
     assert engine.async_scheduling
     tokens, _, in_flight = _generate(engine, sampled=True)
     assert tokens == sync and in_flight > 0
@@ -257,7 +258,8 @@ def _run_async_scheduling(monkeypatch):
 RUNS = {
     **{("cudagraph_mode='PIECEWISE'", r): _run_piecewise(r) for r in ("v1", "v2")},
     **{("cudagraph_mode='FULL_AND_PIECEWISE'", r): _run_full_and_piecewise(r) for r in ("v1", "v2")},
-    ("async scheduling", "v2"): _run_async_scheduling,
+    ("async scheduling", "v1"): lambda monkeypatch: _run_async_scheduling("v1"),
+    ("async scheduling", "v2"): lambda monkeypatch: _run_async_scheduling("v2"),
 }
 SUPPORTED_PAIRS = [(f.label, r) for f in FEATURES for r in ("v1", "v2") if f.status(r) == SUPPORTED]
 

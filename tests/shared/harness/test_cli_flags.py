@@ -73,7 +73,7 @@ def test_explain_refusals(argv, expected, capsys) -> None:
     (["--logprob-tol", "tight"], "--logprob-tol: 'tight' is not a number"),
     (["--quick", "--scenarios", "greedy_logprobs"], "--quick picks the scenarios"),
     (["--engines", "v1,hf", "--logprob-tol", "1e-3"], "--logprob-tol is the tolerance between"),
-    (["--engines", "hf,solo"], "--engines needs v1, v2 or v2-async"),
+    (["--engines", "hf,solo"], "--engines needs v1, v2, v1-async or v2-async"),
 ])
 def test_diff_refusals(argv, expected, capsys) -> None:
     assert cli_main(["diff", *argv]) == 2

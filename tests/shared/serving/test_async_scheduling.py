@@ -1,8 +1,9 @@
-"""Async scheduling (V2): the engine schedules and launches step N+1 before it reads
-step N's tokens back. Oracles:
-- V1 with the synchronous engine on every scenario of the library (float64, CPU):
-  identical tokens, finish reasons and logprobs for every request that ends on its own;
-  an aborted request's tokens are a prefix of V1's (its in-flight token is dropped);
+"""Async scheduling (both runners): the engine schedules and launches step N+1 before it
+reads step N's tokens back. Oracles:
+- V1 with the synchronous engine on every scenario of the library (float64, CPU), for
+  V1 async and V2 async alike: identical tokens, finish reasons and logprobs for every
+  request that ends on its own; an aborted request's tokens are a prefix of V1's (its
+  in-flight token is dropped);
 - a plain count: without stops on EOS, async scheduling computes exactly the tokens the
   synchronous engine computes (no step is wasted on a request at its length limit);
 - the call order itself: schedule(N+1) comes before update_from_output(N).
@@ -31,17 +32,31 @@ def llama_dir(tmp_path_factory) -> str:
     return materialize_checkpoint("tiny-llama", SEED, str(tmp_path_factory.mktemp("tiny-llama")))
 
 
+@pytest.fixture(scope="module")
+def sync_runs(llama_dir) -> dict:
+    """V1 with the synchronous engine: the oracle, one run per scenario."""
+    setup = DiffSetup("tiny-llama", llama_dir, "float64", "cpu", SEED, ["v1", "v2"])
+    runs = {}
+    for name in SCENARIOS:
+        scenario = build_scenario(name, SEED, VOCAB)
+        runs[name] = run_scenario(build_engine(setup, "v1", scenario.engine_kwargs()), scenario)
+    return runs
+
+
+@pytest.mark.parametrize("runner", ["v1", "v2"])
 @pytest.mark.parametrize("name", list(SCENARIOS))
-def test_async_v2_equals_sync_v1_on_every_scenario(llama_dir, name):
+def test_async_equals_sync_v1_on_every_scenario(llama_dir, sync_runs, name, runner):
     scenario = build_scenario(name, SEED, VOCAB)
     setup = DiffSetup("tiny-llama", llama_dir, "float64", "cpu", SEED, ["v1", "v2"])
-    sync = run_scenario(build_engine(setup, "v1", scenario.engine_kwargs()), scenario)
-    engine = build_engine(setup, "v2", {**scenario.engine_kwargs(), "async_scheduling": True})
-    assert engine.async_scheduling
+    engine = build_engine(setup, runner, {**scenario.engine_kwargs(), "async_scheduling": True})
+    assert engine.async_scheduling and engine.runner_name == runner
     run = run_scenario(engine, scenario)
-    assert_async_matches_sync(sync, run, LOGPROB_TOL)
+    assert run.missing_events(scenario.expects) == []
+    assert_async_matches_sync(sync_runs[name], run, LOGPROB_TOL)
     assert run.num_free_blocks == run.num_total_blocks
     assert all(r.num_output_placeholders == 0 for r in engine.scheduler.requests.values())
+    if runner == "v1":  # every placeholder landed: the runner holds no step in flight
+        assert not engine.runner.in_flight
 
 
 def assert_async_matches_sync(sync, run, logprob_tol: float) -> None:
@@ -62,8 +77,8 @@ def assert_async_matches_sync(sync, run, logprob_tol: float) -> None:
             assert max(abs(da[t] - db[t]) for t in da) <= logprob_tol, (label, pos)
 
 
-def _engine(async_scheduling: bool, **kw) -> LLMEngine:
-    args = dict(model="tiny-llama", dtype="float64", model_runner="v2", seed=0,
+def _engine(async_scheduling: bool, runner: str = "v2", **kw) -> LLMEngine:
+    args = dict(model="tiny-llama", dtype="float64", model_runner=runner, seed=0,
                 enable_prefix_caching=False, max_model_len=64, block_size=4,
                 max_num_seqs=8, max_num_batched_tokens=48, num_gpu_blocks_override=160)
     args.update(kw)
@@ -100,10 +115,11 @@ def _drain_recording(engine: LLMEngine) -> tuple[dict[str, list[int]], int, list
     return tokens, sum(scheduled), preempted
 
 
-def test_async_computes_exactly_the_tokens_sync_computes():
+@pytest.mark.parametrize("runner", ["v1", "v2"])
+def test_async_computes_exactly_the_tokens_sync_computes(runner):
     """No stop on EOS: every request's end is known, so async never schedules a token
     past a request's length limit, and computes what the synchronous engine computes."""
-    sync, async_ = _engine(False), _engine(True)
+    sync, async_ = _engine(False, runner), _engine(True, runner)
     _add_workload(sync)
     _add_workload(async_)
     tokens_sync, computed_sync, _ = _drain_recording(sync)
@@ -127,11 +143,12 @@ def test_schedule_of_next_step_precedes_update_of_this_one():
                          "schedule", "update"]
 
 
-def test_preemption_under_async_scheduling_matches_sync():
+@pytest.mark.parametrize("runner", ["v1", "v2"])
+def test_preemption_under_async_scheduling_matches_sync(runner):
     """A pool too small for every request: requests are preempted while their previous
-    step's token may still be in flight; the sync engine is the oracle."""
+    step's token may still be in flight; the sync engine (V1) is the oracle."""
     kw = dict(num_gpu_blocks_override=24, max_num_batched_tokens=32)
-    sync, async_ = _engine(False, **kw), _engine(True, **kw)
+    sync, async_ = _engine(False, "v1", **kw), _engine(True, runner, **kw)
     _add_workload(sync)
     _add_workload(async_)
     tokens_async, _, preempted = _drain_recording(async_)
@@ -141,12 +158,11 @@ def test_preemption_under_async_scheduling_matches_sync():
     assert async_.num_free_kv_blocks() == async_.num_total_kv_blocks()
 
 
-def test_v1_refuses_async_scheduling():
-    from policy import RunnerSelectionError
-
-    with pytest.raises(RunnerSelectionError, match="async_scheduling=False"):
-        EngineArgs(model="tiny-llama", model_runner="v1", async_scheduling=True
-                   ).create_engine_config()
-    # left to the policy, async scheduling forces V2
+def test_the_policy_leaves_async_scheduling_to_either_runner():
+    for runner in ("v1", "v2"):
+        cfg = EngineArgs(model="tiny-llama", model_runner=runner, async_scheduling=True
+                         ).create_engine_config()
+        assert cfg.runner_decision.runner == runner and cfg.scheduler_config.async_scheduling
+    # left to the policy, async scheduling no longer forces a runner
     cfg = EngineArgs(model="tiny-llama", async_scheduling=True).create_engine_config()
-    assert cfg.runner_decision.runner == "v2" and cfg.runner_decision.source == "forced"
+    assert cfg.runner_decision.source != "forced"

@@ -24,6 +24,7 @@ from shared import LLM, SamplingParams
 CONFIGS = {
     "v1": dict(model_runner="v1"),
     "v2": dict(model_runner="v2"),
+    "v1-async": dict(model_runner="v1", async_scheduling=True),
     "v2-async": dict(model_runner="v2", async_scheduling=True),
 }
 PREFIX = list(range(10, 42))  # two full blocks shared by two prompts: prefix-cache hits
