@@ -67,7 +67,7 @@ class SchedulerConfig(BaseModel):
 
 class CompilationConfig(BaseModel):
     model_config = _FROZEN
-    cudagraph_mode: CudaGraphMode                  # resolved for the selected runner
+    cudagraph_mode: CudaGraphMode                  # resolved: "auto" -> a mode
     cudagraph_mode_requested: str                  # as asked ("auto" or a mode)
     cudagraph_capture_sizes: list[int]             # ascending; [] when cudagraph_mode is NONE
     enforce_eager: bool
@@ -225,12 +225,13 @@ def default_capture_sizes(max_size: int) -> list[int]:
     return sizes
 
 
-def resolve_compilation(runner: str, device: str, cudagraph_mode: str, enforce_eager: bool,
+def resolve_compilation(device: str, cudagraph_mode: str, enforce_eager: bool,
                         capture_sizes: list[int] | None,
                         scheduler: SchedulerConfig) -> CompilationConfig:
-    """cudagraph_mode "auto" -> V1 FULL_AND_PIECEWISE, V2 FULL (FULL graphs for uniform
-    decode, eager otherwise), NONE on CPU or with enforce_eager. An explicit mode that cannot
-    take effect (CPU, enforce_eager) and capture sizes with no graphs are errors, not no-ops."""
+    """cudagraph_mode "auto" -> FULL_AND_PIECEWISE for either runner (FULL graphs for
+    uniform decode, piecewise graphs for the other batches that fit, eager above the largest
+    size), NONE on CPU or with enforce_eager. An explicit mode that cannot take effect (CPU,
+    enforce_eager) and capture sizes with no graphs are errors, not no-ops."""
     if cudagraph_mode != "auto" and cudagraph_mode != "NONE":
         if device == "cpu":
             raise _fail("cudagraph_mode", cudagraph_mode, "'auto', 'NONE' on device='cpu'",
@@ -242,7 +243,7 @@ def resolve_compilation(runner: str, device: str, cudagraph_mode: str, enforce_e
         if device == "cpu" or enforce_eager:
             mode = "NONE"
         else:
-            mode = "FULL_AND_PIECEWISE" if runner == "v1" else "FULL"
+            mode = "FULL_AND_PIECEWISE"
     else:
         mode = cudagraph_mode
     sizes = _resolve_capture_sizes(mode, capture_sizes, scheduler)

@@ -67,7 +67,8 @@ class EngineArgs(BaseModel):
         False, description="schedule step N+1 while step N runs on the GPU (both runners)")
     enforce_eager: bool = Field(False, description="never use CUDA graphs")
     cudagraph_mode: Literal["auto", "NONE", "PIECEWISE", "FULL", "FULL_AND_PIECEWISE"] = Field(
-        "auto", description="auto: V1 FULL_AND_PIECEWISE, V2 FULL, NONE on CPU or when eager")
+        "auto", description="auto: FULL_AND_PIECEWISE (both runners), NONE on CPU or when "
+                            "eager")
     cudagraph_capture_sizes: list[int] | None = Field(
         None, description="batch sizes to capture; default 1,2,4,8..256 step 8, then step 16")
     attention_backend: Literal["auto", "TORCH", "TRITON", "FLASH_ATTN", "NULL"] = Field(
@@ -126,9 +127,8 @@ class EngineArgs(BaseModel):
             model, feature_table.requested_features(self), model_runner=self.model_runner,
             env_use_v2=env_use_v2, device=device, strict=strict,
         )
-        compilation = resolve_compilation(decision.runner, device, self.cudagraph_mode,
-                                          self.enforce_eager, self.cudagraph_capture_sizes,
-                                          scheduler)
+        compilation = resolve_compilation(device, self.cudagraph_mode, self.enforce_eager,
+                                          self.cudagraph_capture_sizes, scheduler)
         backend, backend_source = resolve_attention_backend(self.attention_backend, env_backend,
                                                             device)
         load = LoadConfig(load_format=self.load_format, seed=self.seed,

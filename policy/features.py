@@ -70,14 +70,17 @@ FEATURES: tuple[Feature, ...] = (
         "V1 only",
     ),
     Feature(
-        "cudagraph_mode='PIECEWISE'", SUPPORTED, UNSUPPORTED, "cudagraph_mode='auto'",
+        "cudagraph_mode='PIECEWISE'", SUPPORTED, SUPPORTED, "cudagraph_mode='auto'",
         lambda s: s["cudagraph_mode"] == "PIECEWISE",
-        "V2 captures FULL graphs only and runs mixed batches eagerly",
+        "both runners: graphs between the attention calls, attention eager (here one "
+        "implementation, shared/runtime/piecewise_graphs.py; V1 dispatches implicitly, "
+        "V2 explicitly)",
     ),
     Feature(
-        "cudagraph_mode='FULL_AND_PIECEWISE'", SUPPORTED, UNSUPPORTED, "cudagraph_mode='auto'",
+        "cudagraph_mode='FULL_AND_PIECEWISE'", SUPPORTED, SUPPORTED, "cudagraph_mode='auto'",
         lambda s: s["cudagraph_mode"] == "FULL_AND_PIECEWISE",
-        "V1's default; V2 has no piecewise graphs",
+        "both runners' default on CUDA: FULL graphs for uniform decode, piecewise ones "
+        "for the other batches that fit",
     ),
     Feature(
         "async scheduling", SUPPORTED, SUPPORTED, "async_scheduling=False",

@@ -3,10 +3,10 @@ mode travels in the forward context, and a wrapper around the model replays.
 
 - FULL graphs cover uniform-decode batches (every request decodes one token), captured
   per capture size with the whole forward, attention included.
-- PIECEWISE graphs (runner_v1/piecewise.py) cover every other batch of up to the
-  largest piecewise size in tokens: the pieces between attention calls are captured per
-  padded token count and attention runs eagerly in between, so one graph per size
-  serves any mix of prefills and decodes.
+- PIECEWISE graphs (shared/runtime/piecewise_graphs.py, shared with V2) cover every
+  other batch of up to the largest piecewise size in tokens: the pieces between
+  attention calls are captured per padded token count and attention runs eagerly in
+  between, so one graph per size serves any mix of prefills and decodes.
 - NONE (eager at the real size) above the largest size, on CPU, or with graphs off.
 
 Padding: a FULL batch of n decodes runs the graph of the smallest capture size B >= n;
@@ -24,26 +24,23 @@ work with it (attention runs eagerly).
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from policy.config import EngineConfig
-from runner_v1.piecewise import PiecewiseGraphs
 from shared.attention.metadata import CommonAttentionMetadata
 from shared.runtime.cudagraph_utils import (
     BatchDescriptor,
     FullGraphs,
     capture_full_graphs,
+    dispatch_graph,
     fill_dummy_decode,
-    is_uniform_decode,
-    padded_size,
+    graph_sizes,
 )
 from shared.runtime.forward_context import get_forward_context
-
-logger = logging.getLogger("runnerlab")
+from shared.runtime.piecewise_graphs import PiecewiseGraphs
 
 
 @dataclass(frozen=True)
@@ -83,35 +80,11 @@ class V1CudaGraphs:
     def __init__(
         self, config: EngineConfig, device: torch.device, executor, buffers, persistent_batch
     ):
-        cc = config.compilation_config
-        sc = config.scheduler_config
-        self.mode = cc.cudagraph_mode  # resolved by policy: NONE on CPU / enforce_eager
-        on_cuda = device.type == "cuda"
-        # FULL: uniform decode, num_tokens == num_reqs <= max_num_seqs.
-        self.capture_sizes = sorted(s for s in cc.cudagraph_capture_sizes if s <= sc.max_num_seqs)
-        # PIECEWISE: any batch, num_tokens <= max_num_batched_tokens (the buffers' size).
-        self.piecewise_sizes = sorted(
-            s for s in cc.cudagraph_capture_sizes if s <= sc.max_num_batched_tokens
-        )
-        # A backend that cannot run inside a FULL graph (the TORCH oracle reads lengths
-        # on the host) runs eagerly between piecewise graphs like any backend.
-        backend = executor.backend
-        self.full_enabled = (
-            on_cuda and self.mode in ("FULL", "FULL_AND_PIECEWISE")
-            and bool(self.capture_sizes) and backend.supports_full_cudagraph
-        )
-        self.piecewise_enabled = (
-            on_cuda and self.mode in ("PIECEWISE", "FULL_AND_PIECEWISE")
-            and bool(self.piecewise_sizes)
-        )
+        self.mode = config.compilation_config.cudagraph_mode  # NONE on CPU / enforce_eager
+        sizes = graph_sizes(config, device.type == "cuda", executor.backend, "V1")
+        self.capture_sizes, self.piecewise_sizes = sizes.full_sizes, sizes.piecewise_sizes
+        self.full_enabled, self.piecewise_enabled = sizes.full_enabled, sizes.piecewise_enabled
         self.enabled = self.full_enabled or self.piecewise_enabled
-        if (on_cuda and not backend.supports_full_cudagraph
-                and self.mode in ("FULL", "FULL_AND_PIECEWISE")):
-            logger.info(
-                "V1 cudagraph_mode=%s with the %s attention backend: no FULL graphs (it "
-                "cannot run inside one)%s", self.mode, backend.name,
-                "; piecewise graphs cover every batch" if self.piecewise_enabled else "",
-            )
         self.device = device
         self.executor = executor
         self.buffers = buffers
@@ -119,28 +92,28 @@ class V1CudaGraphs:
         self.wrapper: CudaGraphWrapper | None = None
         self.pool = None  # the one memory pool of every graph, FULL and PIECEWISE
         self.captured = False  # dispatch picks graphs only once they exist
-        self.max_model_len = sc.max_model_len
+        self.max_model_len = config.scheduler_config.max_model_len
 
     # ---- dispatch -----------------------------------------------------------------------
     def dispatch(self, num_scheduled: np.ndarray) -> StepPlan:
         """FULL for a uniform decode within the FULL sizes; else PIECEWISE within the
         piecewise sizes (token count padded by bisection, request count not padded);
-        else NONE at the real sizes."""
+        else NONE at the real sizes (dispatch_graph, the rule V2 shares)."""
         num_reqs = int(num_scheduled.shape[0])
         num_tokens = int(num_scheduled.sum())
-        if not self.captured or num_tokens == 0:
+        desc = None
+        if self.captured and num_tokens:
+            desc = dispatch_graph(
+                num_reqs, num_tokens, int(num_scheduled.max()),
+                self.capture_sizes if self.full_enabled else [],
+                self.piecewise_sizes if self.piecewise_enabled else [],
+            )
+        if desc is None:
             return StepPlan("NONE", num_tokens, num_reqs, None)
-        if self.full_enabled and is_uniform_decode(int(num_scheduled.max()), num_tokens, num_reqs):
-            size = padded_size(num_reqs, self.capture_sizes)
-            if size is not None:
-                return StepPlan("FULL", size, size, BatchDescriptor("FULL", size, size))
-        if self.piecewise_enabled:
-            size = padded_size(num_tokens, self.piecewise_sizes)
-            if size is not None:
-                # PIECEWISE graphs are keyed by token count alone (num_reqs None): the
-                # attention between them is eager and sees the real request count.
-                return StepPlan("PIECEWISE", size, num_reqs, BatchDescriptor("PIECEWISE", size, None))
-        return StepPlan("NONE", num_tokens, num_reqs, None)
+        # PIECEWISE graphs are keyed by token count alone (num_reqs None): the attention
+        # between them is eager and sees the real request count.
+        num_reqs_padded = num_reqs if desc.num_reqs is None else desc.num_reqs
+        return StepPlan(desc.mode, desc.num_tokens, num_reqs_padded, desc)
 
     def run(self, plan: StepPlan, inputs, attn_metadata) -> torch.Tensor:
         return self.executor.forward(
@@ -170,7 +143,7 @@ class V1CudaGraphs:
                 self.pool, "V1",
             )
         if piecewise is not None:
-            piecewise.capture(self.pool)
+            piecewise.capture(self.pool, "V1")
         # From now on the executor's model call goes through the wrapper.
         self.executor.model_call = self.wrapper
         self.captured = True

@@ -1,15 +1,31 @@
-"""V2's explicit CUDA graphs: a manager captures one FULL graph of the whole forward
-per capture size for uniform-decode batches; `dispatch()` returns a descriptor (or
-None: run eager) and `run_fullgraph(desc)` replays with no arguments, because input
-prep has already written the step's inputs into the captured persistent buffers.
+"""V2's explicit CUDA graphs. A manager captures them at start-up; per step `dispatch()`
+returns a descriptor (or None: run eager) and the runner calls the matching replay:
 
-What makes a replay safe with fewer real rows than the graph's size: the pos/seq_lens
+- FULL (`run_fullgraph(desc)`): one graph of the whole forward per capture size
+  <= max_num_seqs, for uniform-decode batches. It replays with no arguments: input prep
+  has already written the step's inputs into the captured persistent buffers, and the
+  attention metadata is built inside the graph.
+- PIECEWISE (`run_piecewise(desc, attn_metadata)`): the shared PiecewiseGraphs
+  (shared/runtime/piecewise_graphs.py) per capture size <= max_num_batched_tokens, over
+  V2's persistent input_ids / positions, for every other batch that fits. Attention runs
+  eagerly between the segment graphs with metadata built for the real requests, so any
+  backend works, also one that cannot run inside a FULL graph (the TORCH oracle).
+
+FULL and PIECEWISE graphs share one memory pool; cudagraph_mode decides which exist
+(FULL: FULL only, PIECEWISE: PIECEWISE only, FULL_AND_PIECEWISE: both).
+
+What makes a FULL replay safe with fewer real rows than the graph's size: the pos/seq_lens
 kernel zeroes seq_lens past num_reqs, query_start_loc's tail repeats the token count,
 BlockTables.prepare zeroes padded rows and the slot mapping is PAD from the real token
-count to the end — so the padded rows attend to nothing and write nothing.
+count to the end — so the padded rows attend to nothing and write nothing. A PIECEWISE
+step pads the token count only: the tokens past num_tokens get input id 0 and position 0
+(the input-prep kernel) and PAD slots, and no request's query range covers them, so they
+attend to nothing, write no KV and are never sampled.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 
@@ -19,51 +35,80 @@ from shared.runtime.cudagraph_utils import (
     BatchDescriptor,
     FullGraphs,
     capture_full_graphs,
+    dispatch_graph,
     fill_dummy_decode,
-    is_uniform_decode,
-    padded_size,
+    graph_sizes,
 )
+from shared.runtime.piecewise_graphs import PiecewiseGraphs
 
 
 class CudaGraphManager:
     def __init__(
         self, config: EngineConfig, device: torch.device, executor, buffers, block_tables
-    ):
-        cc = config.compilation_config
-        self.mode = cc.cudagraph_mode
-        max_num_seqs = config.scheduler_config.max_num_seqs
-        self.capture_sizes = sorted(s for s in cc.cudagraph_capture_sizes if s <= max_num_seqs)
-        # A backend that cannot run inside a graph (the TORCH oracle reads lengths on the
-        # host) means no graphs.
-        self.enabled = (
-            device.type == "cuda" and self.mode in ("FULL", "FULL_AND_PIECEWISE")
-            and bool(self.capture_sizes) and executor.backend.supports_full_cudagraph
-        )
+    ) -> None:
+        self.mode = config.compilation_config.cudagraph_mode  # NONE on CPU / enforce_eager
+        sizes = graph_sizes(config, device.type == "cuda", executor.backend, "V2")
+        self.capture_sizes, self.piecewise_sizes = sizes.full_sizes, sizes.piecewise_sizes
+        self.full_enabled, self.piecewise_enabled = sizes.full_enabled, sizes.piecewise_enabled
+        self.enabled = self.full_enabled or self.piecewise_enabled
         self.executor = executor
         self.buffers = buffers
         self.block_tables = block_tables
         self.max_model_len = config.scheduler_config.max_model_len
         self.graphs: FullGraphs = {}
-        self.pool = None
+        self.piecewise: PiecewiseGraphs | None = None  # set once captured
+        self.pool = None  # the one memory pool of every graph, FULL and PIECEWISE
 
+    # ---- dispatch and replay --------------------------------------------------------------
     def dispatch(self, num_reqs: int, num_tokens: int, max_query_len: int) -> BatchDescriptor | None:
-        if not self.graphs or not is_uniform_decode(max_query_len, num_tokens, num_reqs):
-            return None
-        size = padded_size(num_reqs, self.capture_sizes)
-        return None if size is None else BatchDescriptor("FULL", size, size)
+        """("FULL", size, size) for a uniform decode within the captured FULL sizes;
+        else ("PIECEWISE", padded token count, None) when piecewise graphs are captured
+        and the token count fits; else None, eager at the real sizes (dispatch_graph,
+        the rule V1 shares)."""
+        return dispatch_graph(
+            num_reqs, num_tokens, max_query_len,
+            self.capture_sizes if self.graphs else [],
+            self.piecewise_sizes if self.piecewise is not None else [],
+        )
 
     def run_fullgraph(self, desc: BatchDescriptor) -> torch.Tensor:
         graph, hidden_states = self.graphs[desc]
         graph.replay()
         return hidden_states
 
+    def run_piecewise(self, desc: BatchDescriptor, attn_metadata: Any) -> torch.Tensor:
+        """Replay the segment graphs of desc.num_tokens, attention eager between them
+        under the step's forward context. Like a FULL replay it takes no inputs: input
+        prep has written them into the persistent buffers the graphs read. -> hidden
+        states [desc.num_tokens, hidden], a view of a static buffer (rows past the real
+        tokens are garbage; valid until the next forward)."""
+        assert desc.mode == "PIECEWISE" and self.piecewise is not None, desc
+        size = desc.num_tokens
+        return self.executor.forward(
+            self.buffers.input_ids[:size], self.buffers.positions[:size], attn_metadata,
+            size, cudagraph_mode="PIECEWISE", batch_descriptor=desc, run=self.piecewise.run,
+        )
+
+    # ---- capture ------------------------------------------------------------------------
     def capture(self) -> None:
         if not self.enabled:
             return
+        # One memory pool for every graph. FULL first: its graphs keep their outputs
+        # alive in the pool, so no later capture places scratch memory over them; the
+        # piecewise graphs own no live outputs (they copy into static buffers).
         self.pool = torch.cuda.graph_pool_handle()
-        self.graphs = capture_full_graphs(
-            self.capture_sizes, self._fill_dummy_inputs, self._captured_forward, self.pool, "V2"
-        )
+        if self.full_enabled:
+            self.graphs = capture_full_graphs(
+                self.capture_sizes, self._fill_dummy_inputs, self._captured_forward,
+                self.pool, "V2",
+            )
+        if self.piecewise_enabled:
+            piecewise = PiecewiseGraphs(
+                self.executor.model, self.piecewise_sizes, self.buffers.input_ids,
+                self.buffers.positions, self.executor.dtype,
+            )
+            piecewise.capture(self.pool, "V2")
+            self.piecewise = piecewise
 
     def _captured_forward(self, size: int, common: CommonAttentionMetadata) -> torch.Tensor:
         """What a FULL graph holds: the metadata build and the whole forward."""

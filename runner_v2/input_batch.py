@@ -11,9 +11,11 @@ Padding rules (CUDA graphs replay over padded sizes; see CommonAttentionMetadata
 - query_start_loc past the real rows repeats the real token count (non-decreasing),
 - seq_lens past the real rows is 0 in the whole persistent buffer (a padded row attends
   to nothing, whatever graph size reads it),
-- input_ids / positions past num_tokens keep stale values from earlier steps: harmless,
-  because their slot_mapping entries are PAD (no KV write), no real row's query range
-  covers them, and padded rows are never sampled.
+- input_ids / positions from num_tokens to num_tokens_padded are 0 (in range for the
+  embedding and RoPE, and the same whatever an earlier step left there); their
+  slot_mapping entries are PAD (no KV write), no real row's query range covers them, and
+  padded tokens are never sampled. Past num_tokens_padded the buffers keep stale values
+  no graph of this step reads.
 """
 
 from __future__ import annotations
@@ -117,11 +119,12 @@ def _prepare_inputs_kernel(
     all_token_ids_stride,
     num_reqs,
     max_num_reqs,
+    num_tokens_padded,
     BLOCK: tl.constexpr,
 ):
     """One program per batch row: seq_len, positions, input ids (prefill positions from
     all_token_ids, the sampled position from last_sampled_tokens) and the logit index.
-    One extra program zeroes the padded seq_lens."""
+    One extra program zeroes the padded seq_lens and the padded tokens' ids / positions."""
     b = tl.program_id(0)
     if b < num_reqs:
         row = tl.load(idx_mapping_ptr + b)
@@ -157,6 +160,14 @@ def _prepare_inputs_kernel(
             offs = off + tl.arange(0, BLOCK)
             zeros = tl.zeros([BLOCK], dtype=tl.int32)
             tl.store(seq_lens_ptr + offs, zeros, mask=offs < max_num_reqs)
+        # Padded tokens of a graph batch (the real count read on the device, like the
+        # slot kernel does): id 0 and position 0, not an earlier step's values.
+        num_tokens = tl.load(query_start_loc_ptr + num_reqs)
+        for off in range(num_tokens, num_tokens_padded, BLOCK):
+            offs = off + tl.arange(0, BLOCK)
+            mask = offs < num_tokens_padded
+            tl.store(input_ids_ptr + offs, tl.zeros([BLOCK], dtype=tl.int32), mask=mask)
+            tl.store(positions_ptr + offs, tl.zeros([BLOCK], dtype=tl.int64), mask=mask)
 
 
 # ---- host side ----------------------------------------------------------------------
@@ -202,7 +213,7 @@ def prepare_inputs(
     query_start_loc = buffers.query_start_loc[: num_reqs_padded + 1]
     async_copy_to_device(qsl_np, device, out=query_start_loc)
 
-    _launch_prepare_inputs(buffers, idx_mapping, state, num_reqs)
+    _launch_prepare_inputs(buffers, idx_mapping, state, num_reqs, num_tokens_padded)
     nc_np = state.num_computed_tokens_np[idx_mapping_np]
 
     seq_lens_np = np.zeros(num_reqs_padded, dtype=np.int32)
@@ -240,7 +251,11 @@ def prepare_inputs(
 
 
 def _launch_prepare_inputs(
-    buffers: InputBuffers, idx_mapping: torch.Tensor, state: RequestState, num_reqs: int
+    buffers: InputBuffers,
+    idx_mapping: torch.Tensor,
+    state: RequestState,
+    num_reqs: int,
+    num_tokens_padded: int,
 ) -> None:
     all_token_ids = state.all_token_ids.gpu
     assert idx_mapping.dtype == torch.int32 and state.num_computed_tokens.gpu.dtype == torch.int32
@@ -250,5 +265,6 @@ def _launch_prepare_inputs(
         buffers.input_ids, buffers.positions, buffers.seq_lens, buffers.logits_indices,
         idx_mapping, buffers.query_start_loc, state.num_computed_tokens.gpu,
         state.prefill_len.gpu, state.last_sampled_tokens.gpu, all_token_ids,
-        all_token_ids.stride(0), num_reqs, buffers.max_num_reqs, BLOCK=_BLOCK,
+        all_token_ids.stride(0), num_reqs, buffers.max_num_reqs, num_tokens_padded,
+        BLOCK=_BLOCK,
     )  # fmt: skip

@@ -2,7 +2,7 @@
 
 The step is a thin spine: finish / add / update request state (staged, one copy and
 one launch per structure), gather this step's batch through idx_mapping, prepare
-inputs with Triton kernels, forward (an explicit FULL graph replay for uniform decode,
+inputs with Triton kernels, forward (explicit FULL / PIECEWISE graph replays where one fits,
 eager otherwise), sample with the Triton sampler, start the async copy of the sampled
 ids, and advance the device state with the post_update kernel.
 """
@@ -96,16 +96,18 @@ class GPUModelRunner(RunnerSetupMixin):
                 return None
             batch, desc = self._prepare_batch(so)
             attn_metadata = None
-            if desc is None:
+            if desc is None or desc.mode == "PIECEWISE":  # FULL builds it inside the graph
                 attn_metadata = self.executor.build_attn_metadata(self._common_metadata(batch))
-        self.timer.stats.cudagraph_mode = "FULL" if desc is not None else "NONE"
+        self.timer.stats.cudagraph_mode = "NONE" if desc is None else desc.mode
         with self.timer.stage("forward"):
-            if desc is not None:
-                hidden = self.cudagraph_manager.run_fullgraph(desc)
-            else:
+            if desc is None:
                 hidden = self.executor.forward(
                     batch.input_ids, batch.positions, attn_metadata, batch.num_tokens_padded
                 )
+            elif desc.mode == "FULL":
+                hidden = self.cudagraph_manager.run_fullgraph(desc)
+            else:
+                hidden = self.cudagraph_manager.run_piecewise(desc, attn_metadata)
         self._state = _ExecuteState(batch, hidden)
         return None
 
@@ -189,8 +191,10 @@ class GPUModelRunner(RunnerSetupMixin):
         )
         num_reqs, num_tokens = len(req_ids), so.total_num_scheduled_tokens
         desc = self.cudagraph_manager.dispatch(num_reqs, num_tokens, int(num_scheduled.max()))
-        num_reqs_padded = desc.num_reqs if desc is not None else num_reqs
         num_tokens_padded = desc.num_tokens if desc is not None else num_tokens
+        # PIECEWISE pads the tokens only (num_reqs None): its eager attention sees the
+        # real requests, and the padded tokens belong to none of them.
+        num_reqs_padded = num_reqs if desc is None or desc.num_reqs is None else desc.num_reqs
         batch = prepare_inputs(
             req_ids, idx_mapping_np, num_scheduled, num_reqs_padded, num_tokens_padded,
             self.req_states, self.buffers, self.block_tables,

@@ -83,7 +83,7 @@ class LlamaAttention(nn.Module):
         return self.post_attention(self.attn(q, k, v))
 
     # The two halves around the attention call: the piecewise CUDA-graph path captures
-    # them and runs `self.attn` eagerly in between (runner_v1/piecewise.py).
+    # them and runs `self.attn` eagerly in between (shared/runtime/piecewise_graphs.py).
     def pre_attention(
         self, positions: torch.Tensor, hidden_states: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -1,9 +1,11 @@
-"""CUDA-graph helpers both runners use: the padding ladder, the batch predicates, the
-dummy decode a FULL graph is captured over, and the FULL-graph capture loop.
+"""CUDA-graph helpers both runners use: which graphs a configuration captures, the
+padding ladder, the batch predicates, the dispatch rule, the dummy decode a FULL graph
+is captured over, and the FULL-graph capture loop (the piecewise graphs are in
+shared/runtime/piecewise_graphs.py).
 
 The capture sizes themselves are resolved once in policy's CompilationConfig; here is
-only the arithmetic on them. Dispatch stays in each runner: V1 picks the graph through
-the forward context (implicit), V2 replays it by descriptor (explicit).
+only the arithmetic on them. How a step reaches its graph stays in each runner: V1 picks
+it through the forward context (implicit), V2 replays it by descriptor (explicit).
 """
 
 from __future__ import annotations
@@ -13,11 +15,14 @@ import logging
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
 from shared.attention.metadata import PAD_SLOT_ID, CommonAttentionMetadata
+
+if TYPE_CHECKING:
+    from policy.config import EngineConfig
 
 logger = logging.getLogger("runnerlab")
 
@@ -41,6 +46,65 @@ class BatchDescriptor:
     mode: str  # "FULL" | "PIECEWISE" | "NONE"
     num_tokens: int  # padded token count (== padded request count for FULL decode)
     num_reqs: int | None  # padded request count for FULL; None for PIECEWISE / NONE
+
+
+def dispatch_graph(
+    num_reqs: int,
+    num_tokens: int,
+    max_query_len: int,
+    full_sizes: list[int],
+    piecewise_sizes: list[int],
+) -> BatchDescriptor | None:
+    """The graph a step runs, both runners' rule (sizes sorted ascending; [] where that
+    kind of graph is not captured): FULL for a uniform decode within the FULL sizes,
+    padded by request count; else PIECEWISE when the token count fits the piecewise
+    sizes, padded by token count alone (num_reqs None: the attention between the
+    segments is eager and sees the real request count); else None, eager at the real
+    sizes (an empty step included)."""
+    if num_tokens == 0:
+        return None
+    if full_sizes and is_uniform_decode(max_query_len, num_tokens, num_reqs):
+        size = padded_size(num_reqs, full_sizes)
+        if size is not None:
+            return BatchDescriptor("FULL", size, size)
+    size = padded_size(num_tokens, piecewise_sizes) if piecewise_sizes else None
+    return None if size is None else BatchDescriptor("PIECEWISE", size, None)
+
+
+@dataclass(frozen=True)
+class GraphSizes:
+    """Which graphs a runner captures, read once from the resolved configuration."""
+
+    full_sizes: list[int]  # FULL: uniform decode, num_tokens == num_reqs <= max_num_seqs
+    piecewise_sizes: list[int]  # PIECEWISE: any batch of <= max_num_batched_tokens tokens
+    full_enabled: bool
+    piecewise_enabled: bool
+
+
+def graph_sizes(config: EngineConfig, on_cuda: bool, backend: Any, label: str) -> GraphSizes:
+    """FULL graphs for cudagraph_mode FULL / FULL_AND_PIECEWISE with a backend that can
+    run inside one; PIECEWISE graphs for PIECEWISE / FULL_AND_PIECEWISE with any backend
+    (attention runs eagerly between them); neither off CUDA. The mode was resolved by
+    policy (NONE on CPU or with enforce_eager). `backend`: the executor's attention
+    backend, of which only `supports_full_cudagraph` and `name` are read."""
+    mode = config.compilation_config.cudagraph_mode
+    sizes = config.compilation_config.cudagraph_capture_sizes
+    sc = config.scheduler_config
+    full_sizes = sorted(s for s in sizes if s <= sc.max_num_seqs)
+    piecewise_sizes = sorted(s for s in sizes if s <= sc.max_num_batched_tokens)
+    wants_full = on_cuda and mode in ("FULL", "FULL_AND_PIECEWISE") and bool(full_sizes)
+    piecewise_enabled = (
+        on_cuda and mode in ("PIECEWISE", "FULL_AND_PIECEWISE") and bool(piecewise_sizes)
+    )
+    # The TORCH oracle reads lengths on the host: a FULL graph would freeze them.
+    if wants_full and not backend.supports_full_cudagraph:
+        logger.info(
+            "%s cudagraph_mode=%s with the %s attention backend: no FULL graphs (it cannot "
+            "run inside one)%s", label, mode, backend.name,
+            "; piecewise graphs cover every batch that fits" if piecewise_enabled else "",
+        )
+    full_enabled = wants_full and backend.supports_full_cudagraph
+    return GraphSizes(full_sizes, piecewise_sizes, full_enabled, piecewise_enabled)
 
 
 def fill_dummy_decode(

@@ -22,6 +22,7 @@ class ForwardContext:
     # tokens the forward runs over, padding included (the captured size under graphs)
     num_tokens: int
     # "NONE" | "PIECEWISE" | "FULL": how V1's implicit dispatcher wants this step run
+    # (V1's wrapper acts on it; V2 dispatches explicitly and sets it for the record)
     cudagraph_mode: str = "NONE"
     batch_descriptor: Any = None
 

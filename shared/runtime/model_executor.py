@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -159,11 +160,15 @@ class ModelExecutor:
         num_tokens: int,
         cudagraph_mode: str = "NONE",
         batch_descriptor: Any = None,
+        run: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
     ) -> torch.Tensor:
+        """One forward under the step's forward context. `run` replaces the model call
+        for this forward: V2's explicit piecewise replay, whose eager attention calls
+        read the context like the model's own."""
         with set_forward_context(
             attn_metadata, self.layer_names, num_tokens, cudagraph_mode, batch_descriptor
         ):
-            return (self.model_call or self.model)(input_ids, positions)
+            return (run or self.model_call or self.model)(input_ids, positions)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         return self.model.compute_logits(hidden_states)

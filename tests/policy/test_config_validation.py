@@ -130,12 +130,12 @@ def test_cuda_defaults(fake_cuda):
     s = cfg.scheduler_config
     assert (s.max_num_seqs, s.max_num_batched_tokens) == (256, 8192)
     c = cfg.compilation_config
-    assert cfg.runner_decision.runner == "v2" and c.cudagraph_mode == "FULL"
+    assert cfg.runner_decision.runner == "v2" and c.cudagraph_mode == "FULL_AND_PIECEWISE"
     assert c.cudagraph_capture_sizes == _ladder(256) and c.max_capture_size == 256
     assert (cfg.attention_backend, cfg.attention_backend_source) == ("TRITON", "auto")
 
 
-def test_cuda_v1_mode_and_eager(fake_cuda):
+def test_cuda_auto_mode_for_v1_too_and_eager(fake_cuda):
     assert _create(model="tiny-mixtral", device="cuda").compilation_config.cudagraph_mode == (
         "FULL_AND_PIECEWISE")
     eager = _create(device="cuda", enforce_eager=True).compilation_config
@@ -150,8 +150,16 @@ def test_capture_sizes_bounded(fake_cuda):
     assert cfg.compilation_config.cudagraph_capture_sizes[-3:] == [88, 96, 100]
     explicit = _create(device="cuda", cudagraph_capture_sizes=[4, 1, 2, 2])
     assert explicit.compilation_config.cudagraph_capture_sizes == [1, 2, 4]
+    # FULL graphs are uniform decodes: sizes up to max_num_seqs ...
     with pytest.raises(ValueError, match=r"cudagraph_capture_sizes=\[1, 64\].*max_num_seqs=32"):
-        _create(device="cuda", max_num_seqs=32, cudagraph_capture_sizes=[1, 64])
+        _create(device="cuda", max_num_seqs=32, cudagraph_mode="FULL",
+                cudagraph_capture_sizes=[1, 64])
+    # ... piecewise graphs ("auto": FULL_AND_PIECEWISE) take any batch up to the token budget
+    both = _create(device="cuda", max_num_seqs=32, cudagraph_capture_sizes=[1, 64])
+    assert both.compilation_config.cudagraph_capture_sizes == [1, 64]
+    with pytest.raises(ValueError, match=r"\[1, 256\].*max_num_batched_tokens=128"):
+        _create(device="cuda", max_num_seqs=32, max_num_batched_tokens=128,
+                cudagraph_capture_sizes=[1, 256])
     with pytest.raises(ValueError, match="cudagraph_capture_sizes=\\[\\]"):
         _create(device="cuda", cudagraph_capture_sizes=[])
 

@@ -164,8 +164,8 @@ def test_cuda_explained_without_a_gpu(no_cuda, capsys):
     assert explain_main(["--model", "tiny-llama", "--device", "cuda", "--json",
                          "--cudagraph-mode", "FULL_AND_PIECEWISE"]) == 0
     report = json.loads(capsys.readouterr().out)
-    assert report["runner"] == "v1" and report["unsupported_v2"] == [
-        "cudagraph_mode='FULL_AND_PIECEWISE'"]
+    assert report["runner"] == "v2" and report["unsupported_v2"] == []
+    assert report["config"]["cudagraph_mode"] == "FULL_AND_PIECEWISE"
     assert report["config"]["dtype"] == "bfloat16" and report["config"]["device"] == "cuda"
     assert any("no CUDA GPU" in b for b in report["run_blockers"])
 

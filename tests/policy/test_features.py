@@ -23,10 +23,10 @@ SUPPORTED_BY = {
     "custom logits processors": set(),
     "pooling": set(),
     "prompt embeds": set(),
-    # V1's implicit graphs have PIECEWISE graphs between attention calls; "V2 has no
-    # piecewise graphs: its mixed batches run eager"
-    "cudagraph_mode='PIECEWISE'": {"v1"},
-    "cudagraph_mode='FULL_AND_PIECEWISE'": {"v1"},
+    # both runners capture piecewise graphs between the attention calls (one shared
+    # implementation, design-notes "Piecewise CUDA graphs (both runners)")
+    "cudagraph_mode='PIECEWISE'": {"v1", "v2"},
+    "cudagraph_mode='FULL_AND_PIECEWISE'": {"v1", "v2"},
     # "both runners": V1 scatters the previous step's device tokens into its input ids
     # (placeholders on the host until they land), V2 keeps them on the device
     "async scheduling": {"v1", "v2"},
@@ -142,8 +142,8 @@ def test_table_rows():
     rows = feature_table.table()
     assert [r["feature"] for r in rows] == [f.label for f in FEATURES]
     assert all(r["v1"] in ("supported", "unsupported-yet") for r in rows)
-    assert {r["feature"] for r in rows if r["v1"] == "supported" and r["v2"] != "supported"} == {
-        "cudagraph_mode='PIECEWISE'", "cudagraph_mode='FULL_AND_PIECEWISE'"}
+    # no feature is V1-only any more (the piecewise graphs were the last)
+    assert {r["feature"] for r in rows if r["v1"] == "supported" and r["v2"] != "supported"} == set()
 
 
 # ---- each supported feature, run on CPU with the runner that supports it ---------------
@@ -180,56 +180,48 @@ def _engine(**kw):
     return LLMEngine.from_engine_args(EngineArgs(device="cpu", **RUN, **kw))
 
 
-class _EagerGraph:
-    """Stands in for a CUDA graph on CPU: replay re-runs the recorded body (reading the
-    same persistent buffers a graph would) and writes the output the capture returned."""
-
-    def __init__(self, body, output=None) -> None:
-        self.body, self.output = body, output
-
-    def replay(self) -> None:
-        result = self.body()
-        if self.output is not None:
-            self.output.copy_(result)
-
-
-def _record_full(body, pool):
-    output = body()
-    return _EagerGraph(body, output), output
-
-
-V1_GRAPHS = dict(model="tiny-qwen3", dtype="float32", model_runner="v1",
-                 attention_backend="TRITON")  # TRITON (interpreted): it runs in FULL graphs
+# TRITON (interpreted): it runs in FULL graphs
+GRAPHS = dict(model="tiny-qwen3", dtype="float32", attention_backend="TRITON")
 
 
 @functools.cache
-def _v1_eager_tokens():
-    return _generate(_engine(**V1_GRAPHS))[0]
+def _eager_tokens(runner: str):
+    return _generate(_engine(model_runner=runner, **GRAPHS))[0]
 
 
-def _run_v1_graph_mode(mode: str, monkeypatch) -> list[str]:
-    """V1 with the graphs the policy configures for `mode` on a CUDA machine, captured
-    with an eager stand-in for the recording, on CPU: the tokens of the eager engine."""
-    from runner_v1 import cudagraph as v1_cudagraph
-    from runner_v1.cudagraph import V1CudaGraphs
-    from runner_v1.piecewise import PiecewiseGraphs
-    from shared.runtime.cudagraph_utils import capture_full_graphs
+def _install_graphs(engine, cuda_config):
+    """Replace the CPU engine's graph manager by the one a CUDA machine builds for
+    `cuda_config`; -> the runner's graph module (whose capture the stand-ins patch)."""
+    runner, cuda = engine.runner, torch.device("cuda")
+    if engine.runner_name == "v1":
+        from runner_v1 import cudagraph as module
 
-    eager = _v1_eager_tokens()
+        runner.graphs = module.V1CudaGraphs(cuda_config, cuda, runner.executor, runner.buffers,
+                                            runner.persistent_batch)
+    else:
+        from runner_v2 import cudagraph as module
+
+        runner.cudagraph_manager = module.CudaGraphManager(
+            cuda_config, cuda, runner.executor, runner.buffers, runner.block_tables)
+    return module
+
+
+def _run_graph_mode(runner: str, mode: str, monkeypatch) -> list[str]:
+    """`runner` with the graphs the policy configures for `mode` on a CUDA machine,
+    captured with an eager stand-in for the recording, on CPU: the tokens of the eager
+    engine. -> the graph modes the steps used."""
+    from tests.shared.runtime.eager_graphs import use_eager_graphs
+
+    eager = _eager_tokens(runner)
     with monkeypatch.context() as m:  # the config the feature gets on a CUDA machine
         m.setattr(config_module, "cuda_available", lambda: True)
-        cuda_config = EngineArgs(device="cuda", cudagraph_mode=mode, **RUN,
-                                 **V1_GRAPHS).create_engine_config()
+        cuda_config = EngineArgs(device="cuda", cudagraph_mode=mode, model_runner=runner,
+                                 **RUN, **GRAPHS).create_engine_config()
     assert cuda_config.compilation_config.cudagraph_mode == mode
-    monkeypatch.setattr(PiecewiseGraphs, "_record", lambda self, body, pool: _EagerGraph(body))
-    monkeypatch.setattr(v1_cudagraph, "capture_full_graphs",
-                        functools.partial(capture_full_graphs, record=_record_full))
-    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: None)
-    engine = _engine(**V1_GRAPHS)
-    runner = engine.runner
-    runner.graphs = V1CudaGraphs(cuda_config, torch.device("cuda"), runner.executor,
-                                 runner.buffers, runner.persistent_batch)
-    runner.capture_model()
+    assert cuda_config.runner_decision.runner == runner
+    engine = _engine(model_runner=runner, **GRAPHS)
+    use_eager_graphs(monkeypatch, _install_graphs(engine, cuda_config))
+    engine.runner.capture_model()
     tokens, steps, _ = _generate(engine)
     assert tokens == eager
     sizes = cuda_config.compilation_config.cudagraph_capture_sizes
@@ -238,13 +230,18 @@ def _run_v1_graph_mode(mode: str, monkeypatch) -> list[str]:
     return sorted({m for _, m in graphed})
 
 
-def _run_piecewise(monkeypatch):
-    assert _run_v1_graph_mode("PIECEWISE", monkeypatch) == ["PIECEWISE"]
+def _run_piecewise(runner: str):
+    def run(monkeypatch):
+        assert _run_graph_mode(runner, "PIECEWISE", monkeypatch) == ["PIECEWISE"]
+    return run
 
 
-def _run_full_and_piecewise(monkeypatch):
-    # uniform decodes in FULL graphs, the mixed batches in piecewise ones
-    assert _run_v1_graph_mode("FULL_AND_PIECEWISE", monkeypatch) == ["FULL", "PIECEWISE"]
+def _run_full_and_piecewise(runner: str):
+    def run(monkeypatch):
+        # uniform decodes in FULL graphs, the mixed batches in piecewise ones
+        modes = _run_graph_mode(runner, "FULL_AND_PIECEWISE", monkeypatch)
+        assert modes == ["FULL", "PIECEWISE"]
+    return run
 
 
 def _run_async_scheduling(runner: str):
@@ -259,8 +256,8 @@ def _run_async_scheduling(runner: str):
 
 
 RUNS = {
-    ("cudagraph_mode='PIECEWISE'", "v1"): _run_piecewise,
-    ("cudagraph_mode='FULL_AND_PIECEWISE'", "v1"): _run_full_and_piecewise,
+    **{("cudagraph_mode='PIECEWISE'", r): _run_piecewise(r) for r in ("v1", "v2")},
+    **{("cudagraph_mode='FULL_AND_PIECEWISE'", r): _run_full_and_piecewise(r) for r in ("v1", "v2")},
     ("async scheduling", "v1"): lambda monkeypatch: _run_async_scheduling("v1"),
     ("async scheduling", "v2"): lambda monkeypatch: _run_async_scheduling("v2"),
 }

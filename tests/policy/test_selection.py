@@ -41,8 +41,8 @@ JAMBA = Traits("JambaForCausalLM", "jamba", is_moe=True, is_hybrid=True, support
 HYBRID_LISTED = Traits("GraniteMoeForCausalLM", "granitemoe", is_moe=True, is_hybrid=True)
 MAMBA = Traits("MambaForCausalLM", "mamba", is_attention_free=True, supported_by_runnerlab=False)
 
-PIECEWISE = "cudagraph_mode='PIECEWISE'"  # V1 supports it, V2 does not
-LOGITS = "custom logits processors"       # no runner supports it yet
+V1_ONLY = "v1-only test feature"     # V1 supports it, V2 does not (fixture v1_only_feature)
+LOGITS = "custom logits processors"  # no runner supports it yet
 
 # (id, model, model_runner, env, features, triton, expected runner, source, text in reasons[0])
 CASES = [
@@ -63,12 +63,22 @@ CASES = [
     ("no-triton", DENSE, "auto", None, [], False, "v1", "policy", "requires Triton"),
     ("no-triton-v1-anyway", MIXTRAL, "auto", None, [], False, "v1", "policy", "MoE"),
     ("no-triton-arg-v1", DENSE, "v1", None, [], False, "v1", "argument", "model_runner='v1'"),
-    ("v2-feature-fallback", DENSE, "auto", None, [PIECEWISE], True, "v1", "policy",
-     "V2 does not yet support cudagraph_mode='PIECEWISE'"),
-    ("v2-feature-v1-model", MIXTRAL, "auto", None, [PIECEWISE], True, "v1", "policy", "MoE"),
-    ("v2-feature-arg-v1", DENSE, "v1", None, [PIECEWISE], True, "v1", "argument", "model_runner"),
-    ("v2-feature-env-0", DENSE, "auto", False, [PIECEWISE], True, "v1", "env", "=0"),
+    ("v2-feature-fallback", DENSE, "auto", None, [V1_ONLY], True, "v1", "policy",
+     f"V2 does not yet support {V1_ONLY}"),
+    ("v2-feature-v1-model", MIXTRAL, "auto", None, [V1_ONLY], True, "v1", "policy", "MoE"),
+    ("v2-feature-arg-v1", DENSE, "v1", None, [V1_ONLY], True, "v1", "argument", "model_runner"),
+    ("v2-feature-env-0", DENSE, "auto", False, [V1_ONLY], True, "v1", "env", "=0"),
 ]
+
+
+@pytest.fixture
+def v1_only_feature(monkeypatch):
+    """A feature only V1 supports: the real table has none since V2 got piecewise graphs,
+    so this row restores the table as it stood before (cudagraph_mode='PIECEWISE' V1-only),
+    for the fallback rule and its messages."""
+    extra = Feature(V1_ONLY, SUPPORTED, UNSUPPORTED, "cudagraph_mode='auto'",
+                    lambda s: s["cudagraph_mode"] == "PIECEWISE", "test")
+    monkeypatch.setattr(feature_table, "FEATURES", feature_table.FEATURES + (extra,))
 
 
 def _no_triton(monkeypatch):
@@ -77,7 +87,7 @@ def _no_triton(monkeypatch):
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
-def test_decision_table(monkeypatch, case):
+def test_decision_table(monkeypatch, v1_only_feature, case):
     _, model, arg, env, requested, triton, runner, source, headline = case
     if not triton:
         _no_triton(monkeypatch)
@@ -85,7 +95,7 @@ def test_decision_table(monkeypatch, case):
     assert (decision.runner, decision.source) == (runner, source)
     assert headline in decision.reasons[0]
     assert decision.runner_class == f"runner_{runner}.model_runner:GPUModelRunner"
-    assert decision.unsupported_v2 == [f for f in requested if f == PIECEWISE]
+    assert decision.unsupported_v2 == [f for f in requested if f == V1_ONLY]
     assert decision.error is None
 
 
@@ -107,10 +117,10 @@ def test_argument_reports_the_overridden_env_and_the_policy():
     assert any("policy would choose V2" in r for r in reasons)
 
 
-def test_warnings_on_fallbacks(monkeypatch):
-    fallback = decide_runner(DENSE, [PIECEWISE])
+def test_warnings_on_fallbacks(monkeypatch, v1_only_feature):
+    fallback = decide_runner(DENSE, [V1_ONLY])
     assert len(fallback.warnings) == 1
-    assert PIECEWISE in fallback.warnings[0] and "cudagraph_mode='auto'" in fallback.warnings[0]
+    assert V1_ONLY in fallback.warnings[0] and "cudagraph_mode='auto'" in fallback.warnings[0]
     assert decide_runner(DENSE, []).warnings == []
     _no_triton(monkeypatch)
     no_triton = decide_runner(DENSE, [])
@@ -122,18 +132,18 @@ ERRORS = [
     ("env-1-no-triton", DENSE, "auto", True, [], False,
      ["RUNNERLAB_USE_V2_MODEL_RUNNER=1", "Triton"]),
     ("arg-v2-no-triton", DENSE, "v2", None, [], False, ["model_runner='v2'", "Triton"]),
-    ("env-1-v2-unsupported", DENSE, "auto", True, [PIECEWISE], True,
-     [PIECEWISE, "V1 supports them", "model_runner='v1'", "cudagraph_mode='auto'"]),
-    ("arg-v2-v2-unsupported", MIXTRAL, "v2", None, [PIECEWISE], True, [PIECEWISE, "V1"]),
+    ("env-1-v2-unsupported", DENSE, "auto", True, [V1_ONLY], True,
+     [V1_ONLY, "V1 supports them", "model_runner='v1'", "cudagraph_mode='auto'"]),
+    ("arg-v2-v2-unsupported", MIXTRAL, "v2", None, [V1_ONLY], True, [V1_ONLY, "V1"]),
     ("auto-no-runner", DENSE, "auto", None, [LOGITS], True,
      [LOGITS, "No model runner supports", "logits_processors=[]"]),
     ("arg-v1-no-runner", DENSE, "v1", None, [LOGITS], True, [LOGITS, "logits_processors=[]"]),
-    ("env-0-no-runner", MIXTRAL, "auto", False, [LOGITS, PIECEWISE], True, [LOGITS]),
+    ("env-0-no-runner", MIXTRAL, "auto", False, [LOGITS, V1_ONLY], True, [LOGITS]),
 ]
 
 
 @pytest.mark.parametrize("case", ERRORS, ids=[c[0] for c in ERRORS])
-def test_decision_errors(monkeypatch, case):
+def test_decision_errors(monkeypatch, v1_only_feature, case):
     _, model, arg, env, requested, triton, texts = case
     if not triton:
         _no_triton(monkeypatch)
@@ -218,12 +228,20 @@ def test_forced_v2_with_unsupported_feature_fails_at_config_time(monkeypatch):
         _config(monkeypatch, model="tiny-llama", model_runner="v2", logits_processors=["a.b:C"])
 
 
-def test_fallback_end_to_end_on_cuda(fake_cuda):
+def test_fallback_end_to_end_on_cuda(fake_cuda, v1_only_feature):
     cfg = EngineArgs(model="tiny-llama", device="cuda", cudagraph_mode="PIECEWISE",
                      ).create_engine_config()
     assert cfg.runner_decision.runner == "v1" and cfg.runner_decision.source == "policy"
-    assert cfg.v2_unsupported_features() == [PIECEWISE]
+    assert cfg.v2_unsupported_features() == [V1_ONLY]
     assert cfg.compilation_config.cudagraph_mode == "PIECEWISE"
+
+
+@pytest.mark.parametrize("mode", ["PIECEWISE", "FULL_AND_PIECEWISE"])
+def test_piecewise_modes_keep_v2_on_cuda(fake_cuda, mode):
+    cfg = EngineArgs(model="tiny-llama", device="cuda", cudagraph_mode=mode).create_engine_config()
+    assert (cfg.runner_decision.runner, cfg.runner_decision.source) == ("v2", "policy")
+    assert cfg.v2_unsupported_features() == []
+    assert cfg.compilation_config.cudagraph_mode == mode
 
 
 # ------------------------------------------------------------------------- the log line
@@ -267,15 +285,15 @@ def test_log_line_moe_names_allow_list(caplog):
                                         "DEFAULT_V2_MODEL_RUNNER_ARCHITECTURES")
 
 
-def test_fallback_logs_warning_and_one_decision_line(fake_cuda, caplog):
+def test_fallback_logs_warning_and_one_decision_line(fake_cuda, v1_only_feature, caplog):
     caplog.set_level(logging.INFO, logger="runnerlab")
-    EngineArgs(model="tiny-llama", device="cuda", cudagraph_mode="FULL_AND_PIECEWISE"
+    EngineArgs(model="tiny-llama", device="cuda", cudagraph_mode="PIECEWISE"
                ).create_engine_config()
     (line,) = _decision_lines(caplog)
-    assert "V1" in line.getMessage() and "FULL_AND_PIECEWISE" in line.getMessage()
+    assert "V1" in line.getMessage() and V1_ONLY in line.getMessage()
     assert "cudagraph_mode='auto'" in line.getMessage()  # how to drop the feature
     warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
-    assert len(warnings) == 1 and "FULL_AND_PIECEWISE" in warnings[0].getMessage()
+    assert len(warnings) == 1 and V1_ONLY in warnings[0].getMessage()
 
 
 def test_explain_config_does_not_log(caplog):

@@ -1,5 +1,6 @@
 """V2 input prep vs NumPy: batch order, query_start_loc / positions / seq_lens with
-padding, input ids of a mixed batch, logits_indices."""
+padding, input ids of a mixed batch (0 ids / positions for the padded tokens),
+logits_indices."""
 
 from __future__ import annotations
 
@@ -139,6 +140,11 @@ def test_mixed_batch_matches_numpy(mixed):
     np.testing.assert_array_equal(batch.logits_indices.cpu().numpy(), qsl[1 : len(req_ids) + 1] - 1)
     # The whole persistent seq_lens tail is zero (any padded graph size reads zeros).
     assert (s.buffers.seq_lens[len(req_ids) :] == 0).all()
+    # The padded tokens get id 0 and position 0 (not the poison); past the padded size
+    # nothing is written.
+    for buf in (s.buffers.input_ids, s.buffers.positions):
+        assert buf[num_tokens:num_tokens_padded].tolist() == [0] * (num_tokens_padded - num_tokens)
+        assert (buf[num_tokens_padded:] == -5).all()
     assert batch.num_tokens == num_tokens and batch.num_tokens_padded == num_tokens_padded
     assert batch.input_ids.shape == (num_tokens_padded,)
     assert batch.max_query_len == 7 and batch.max_seq_len == seq_lens.max()

@@ -13,11 +13,11 @@ from __future__ import annotations
 import functools
 
 import pytest
-import torch
 
 from shared.contract.sampling_params import SamplingParams
 from shared.runtime.cudagraph_utils import padded_size
 from shared.serving.engine import LLMEngine
+from tests.shared.runtime.graph_workload import Steps, changed_slots, prompt, run_workload
 
 pytestmark = pytest.mark.gpu
 
@@ -41,36 +41,18 @@ def _engine(mode: str, dtype: str, model: str = "qwen3-0.6b", backend: str = "au
     return LLMEngine.from_engine_args(args)
 
 
-def _prompt(step: int, i: int, n: int) -> list[int]:
-    return [(step * 131 + i * 17 + j * 7) % 500 + 1 for j in range(n)]  # < every vocab
-
-
-def _run(engine: LLMEngine) -> tuple[dict[str, list[int]], list[tuple[int, int, str]]]:
-    """-> (tokens per request, (num_reqs, num_tokens, cudagraph_mode) per step)."""
-    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
-    tokens: dict[str, list[int]] = {}
-    steps: list[tuple[int, int, str]] = []
-    step = 0
-    while step <= max(ARRIVALS) or engine.has_unfinished_requests():
-        for i, n in enumerate(ARRIVALS.get(step, [])):
-            engine.add_request(f"s{step}-{i}", _prompt(step, i, n), params)
-        for out in engine.step():
-            tokens[out.request_id] = out.outputs[0].token_ids
-        stats = engine.runner.step_stats
-        if stats.num_tokens:
-            steps.append((stats.num_reqs, stats.num_tokens, stats.cudagraph_mode))
-        step += 1
-    return tokens, steps
+def _run_workload(engine: LLMEngine) -> tuple[dict[str, list[int]], Steps]:
+    return run_workload(engine, ARRIVALS, max_tokens=10)
 
 
 @functools.cache
 def _eager(dtype: str, model: str = "qwen3-0.6b", backend: str = "auto"):
-    tokens, steps = _run(_engine("auto", dtype, model, backend, enforce_eager=True))
+    tokens, steps = _run_workload(_engine("auto", dtype, model, backend, enforce_eager=True))
     assert {mode for _, _, mode in steps} == {"NONE"}
     return tokens
 
 
-def _check_modes(steps: list[tuple[int, int, str]], mode: str) -> None:
+def _check_modes(steps: Steps, mode: str) -> None:
     """Every step ran the graphs the dispatcher should pick, and the piecewise steps
     covered several capture sizes, most of them padded."""
     for num_reqs, num_tokens, got in steps:
@@ -85,7 +67,7 @@ def _check_modes(steps: list[tuple[int, int, str]], mode: str) -> None:
 
 @pytest.mark.parametrize("mode", ["FULL_AND_PIECEWISE", "PIECEWISE"])
 def test_piecewise_tokens_equal_eager_float32(mode: str) -> None:
-    tokens, steps = _run(_engine(mode, "float32"))
+    tokens, steps = _run_workload(_engine(mode, "float32"))
     _check_modes(steps, mode)
     eager = _eager("float32")
     assert tokens.keys() == eager.keys()
@@ -94,7 +76,7 @@ def test_piecewise_tokens_equal_eager_float32(mode: str) -> None:
 
 
 def test_piecewise_tokens_agree_with_eager_bfloat16() -> None:
-    tokens, steps = _run(_engine("FULL_AND_PIECEWISE", "bfloat16"))
+    tokens, steps = _run_workload(_engine("FULL_AND_PIECEWISE", "bfloat16"))
     _check_modes(steps, "FULL_AND_PIECEWISE")
     eager = _eager("bfloat16")
     agree = sum(tokens[r] == eager[r] for r in eager) / len(eager)
@@ -107,17 +89,9 @@ def test_piecewise_tokens_agree_with_eager_bfloat16() -> None:
 def test_torch_backend_runs_piecewise_only() -> None:
     """The TORCH oracle cannot sit inside a FULL graph (it reads lengths on the host),
     but runs eagerly between piecewise graphs: every step is PIECEWISE."""
-    tokens, steps = _run(_engine("auto", "float32", "tiny-llama", "TORCH"))
+    tokens, steps = _run_workload(_engine("auto", "float32", "tiny-llama", "TORCH"))
     assert {m for _, _, m in steps} == {"PIECEWISE"}
     assert tokens == _eager("float32", "tiny-llama", "TORCH")
-
-
-def _changed_slots(before: list[torch.Tensor], after: list[torch.Tensor]) -> set[int]:
-    changed = torch.zeros(after[0].shape[1] * after[0].shape[2], dtype=torch.bool, device="cuda")
-    for old, new in zip(before, after):
-        diff = (old != new).reshape(2, -1, old.shape[-2] * old.shape[-1]).any(dim=-1).any(dim=0)
-        changed |= diff
-    return set(torch.nonzero(changed).flatten().tolist())
 
 
 def test_padded_piecewise_step_writes_exactly_the_real_slots() -> None:
@@ -126,11 +100,11 @@ def test_padded_piecewise_step_writes_exactly_the_real_slots() -> None:
     33 real tokens' slots and nowhere else."""
     engine = _engine("FULL_AND_PIECEWISE", "float32")
     params = SamplingParams(max_tokens=50, temperature=0.0, ignore_eos=True)
-    engine.add_request("big", _prompt(0, 0, 62), params)
+    engine.add_request("big", prompt(0, 0, 62), params)
     engine.step()
     stats = engine.runner.step_stats
     assert (stats.num_tokens, stats.cudagraph_mode) == (62, "PIECEWISE")
-    engine.add_request("late", _prompt(1, 0, 32), params)
+    engine.add_request("late", prompt(1, 0, 32), params)
     kv = engine.runner.executor.kv_caches
     before = [t.clone() for t in kv]
     engine.step()
@@ -139,4 +113,4 @@ def test_padded_piecewise_step_writes_exactly_the_real_slots() -> None:
     assert padded_size(33, SIZES) == 48
     real = engine.runner.persistent_batch.block_table.slot_mapping.np[:33].tolist()
     assert len(set(real)) == 33
-    assert _changed_slots(before, kv) == set(real)
+    assert changed_slots(before, kv) == set(real)

@@ -1,8 +1,9 @@
 """CUDA-graph dispatch logic, on CPU: the padding ladder, the uniform-decode predicate,
-each runner's choice between a FULL graph, PIECEWISE graphs (V1) and eager, and the order
-of the shared FULL capture loop with an eager stand-in for the recording (capture itself
-is GPU-only, tests/gpu/shared/runtime/test_runner_cudagraph_gpu.py,
-tests/gpu/runner_v1/test_piecewise_gpu.py)."""
+each runner's choice between a FULL graph, PIECEWISE graphs and eager (against plain-Python
+statements of the rule), and the order of the shared FULL capture loop with an eager
+stand-in for the recording (capture itself is GPU-only,
+tests/gpu/shared/runtime/test_runner_cudagraph_gpu.py, tests/gpu/runner_v1/test_piecewise_gpu.py,
+tests/gpu/runner_v2/test_piecewise_gpu.py)."""
 
 from __future__ import annotations
 
@@ -167,24 +168,77 @@ def test_v1_explicit_piecewise_modes_are_accepted() -> None:
         assert graphs.piecewise_enabled and graphs.full_enabled == (mode != "PIECEWISE")
 
 
-def test_v2_dispatch_returns_a_descriptor_only_for_captured_uniform_decode() -> None:
-    manager = CudaGraphManager(_config("FULL", LADDER), SimpleNamespace(type="cpu"), _executor(),
-                               None, None)
+def _v2(mode: str = "FULL_AND_PIECEWISE", backend: str = "TRITON", sizes: list[int] = LADDER,
+        max_num_seqs: int = 512, max_num_batched_tokens: int = 2048) -> CudaGraphManager:
+    manager = CudaGraphManager(
+        _config(mode, sizes, max_num_seqs, max_num_batched_tokens), SimpleNamespace(type="cuda"),
+        _executor(backend), None, None)
+    # As if captured on a GPU: dispatch only asks which graphs exist.
+    if manager.full_enabled:
+        manager.graphs = {BatchDescriptor("FULL", s, s): None for s in manager.capture_sizes}
+    if manager.piecewise_enabled:
+        manager.piecewise = SimpleNamespace(captured=manager.piecewise_sizes)
+    return manager
+
+
+def test_v2_dispatch_picks_only_captured_graphs() -> None:
+    manager = CudaGraphManager(_config("FULL_AND_PIECEWISE", LADDER), SimpleNamespace(type="cuda"),
+                               _executor(), None, None)
+    assert manager.full_enabled and manager.piecewise_enabled
     assert manager.dispatch(num_reqs=5, num_tokens=5, max_query_len=1) is None  # nothing captured
-    manager.graphs = {BatchDescriptor("FULL", s, s): None for s in LADDER}
-    assert manager.dispatch(num_reqs=5, num_tokens=5, max_query_len=1) == BatchDescriptor("FULL", 8, 8)
-    assert manager.dispatch(num_reqs=5, num_tokens=9, max_query_len=5) is None  # mixed: eager
-    assert manager.dispatch(num_reqs=513, num_tokens=513, max_query_len=1) is None  # too big
+    assert manager.dispatch(num_reqs=2, num_tokens=9, max_query_len=5) is None
+    captured = _v2()
+    assert captured.dispatch(5, 5, 1) == BatchDescriptor("FULL", 8, 8)
+    assert captured.dispatch(2, 9, 5) == BatchDescriptor("PIECEWISE", 16, None)  # tokens only
+    assert captured.dispatch(3, 135, 100) == BatchDescriptor("PIECEWISE", 136, None)
+    assert captured.dispatch(1, 512, 512) == BatchDescriptor("PIECEWISE", 512, None)  # no padding
+    assert captured.dispatch(2, 513, 300) is None  # above every size: eager
+    assert captured.dispatch(600, 600, 1) is None
+    assert captured.dispatch(0, 0, 0) is None  # an empty step runs nothing
 
 
-def test_v2_graphs_need_cuda_and_a_backend_that_runs_inside_a_full_graph() -> None:
-    def enabled(device: str, backend: str) -> bool:
-        return CudaGraphManager(_config("FULL", LADDER), SimpleNamespace(type=device),
-                                _executor(backend), None, None).enabled
+def test_v2_modes_decide_which_graphs_exist() -> None:
+    def kinds(mode: str, backend: str = "TRITON", device: str = "cuda") -> tuple[bool, bool]:
+        manager = CudaGraphManager(_config(mode, LADDER), SimpleNamespace(type=device),
+                                   _executor(backend), None, None)
+        assert manager.enabled == (manager.full_enabled or manager.piecewise_enabled)
+        return manager.full_enabled, manager.piecewise_enabled
 
-    assert enabled("cuda", "TRITON") and enabled("cuda", "FLASH_ATTN")
-    assert not enabled("cuda", "TORCH")  # it reads lengths on the host: not capturable
-    assert not enabled("cpu", "TRITON")
+    assert kinds("FULL") == (True, False)
+    assert kinds("PIECEWISE") == (False, True)  # no FULL graph is captured
+    assert kinds("FULL_AND_PIECEWISE") == (True, True)
+    assert kinds("FULL", "FLASH_ATTN") == (True, False)
+    # The TORCH oracle reads lengths on the host: no FULL graphs, but attention between
+    # piecewise graphs is eager, so it gets those.
+    assert kinds("FULL", "TORCH") == (False, False)
+    assert kinds("FULL_AND_PIECEWISE", "TORCH") == (False, True)
+    assert kinds("FULL_AND_PIECEWISE", device="cpu") == (False, False)
+    assert kinds("NONE") == (False, False)
+
+
+V2_SIZES = [1, 2, 4, 8, 16, 24, 32, 48, 64]
+
+
+@given(st.one_of(st.lists(st.just(1), min_size=1, max_size=24),
+                 st.lists(st.integers(1, 40), min_size=1, max_size=12)),
+       st.sampled_from(["FULL", "PIECEWISE", "FULL_AND_PIECEWISE"]),
+       st.sampled_from(["TRITON", "TORCH"]))
+def test_v2_dispatch_per_mode_and_backend(query_lens: list[int], mode: str, backend: str) -> None:
+    """The decision table against an independent statement of it. FULL sizes stop at
+    max_num_seqs (16), piecewise sizes at max_num_batched_tokens (48)."""
+    num_reqs, num_tokens = len(query_lens), sum(query_lens)
+    full = mode != "PIECEWISE" and backend != "TORCH"
+    piecewise = mode != "FULL"
+    full_fits = [s for s in V2_SIZES if num_reqs <= s <= 16]
+    piecewise_fits = [s for s in V2_SIZES if num_tokens <= s <= 48]
+    if full and max(query_lens) == 1 and full_fits:
+        want = BatchDescriptor("FULL", min(full_fits), min(full_fits))
+    elif piecewise and piecewise_fits:
+        want = BatchDescriptor("PIECEWISE", min(piecewise_fits), None)
+    else:
+        want = None
+    manager = _v2(mode, backend, V2_SIZES, max_num_seqs=16, max_num_batched_tokens=48)
+    assert manager.dispatch(num_reqs, num_tokens, max(query_lens)) == want
 
 
 def test_full_capture_warms_up_then_records_only_the_forward_largest_size_first() -> None:

@@ -1,7 +1,9 @@
-"""V1's piecewise CUDA graphs: the model split at its attention calls, every piece
-between two attention calls captured once per padded token count, attention itself
-run eagerly in between (vLLM gets the split from torch.compile; here the model exposes
-it by hand: LlamaModel.forward_segment / attention).
+"""Piecewise CUDA graphs, one implementation for both runners: the model split at its
+attention calls, every piece between two attention calls captured once per padded token
+count, attention itself run eagerly in between (vLLM gets the split from torch.compile;
+here the model exposes it by hand: LlamaModel.forward_segment / attention). V1 replays
+them through its implicit wrapper (runner_v1/cudagraph.py), V2 by descriptor
+(runner_v2/cudagraph.py).
 
 A segment only does per-token work (embedding, norms, matmuls, RoPE, MLP / MoE), so a
 graph captured at S tokens serves any batch of <= S tokens whatever its mix of
@@ -10,12 +12,12 @@ prefills and decodes; attention is the one piece that depends on the batch layou
 metadata from the forward context.
 
 Static buffers: every segment graph reads its inputs from, and copies its outputs into,
-views [:S] of buffers allocated here once at the largest size (plus V1's persistent
-input_ids / positions). The graphs own no live outputs, so their private temporaries
-can all share one memory pool: any graph may reuse any other's scratch memory, since
-replays never overlap and nothing a graph allocated is read after it ends.
+views [:S] of buffers allocated here once at the largest size (plus the runner's
+persistent input_ids / positions). The graphs own no live outputs, so their private
+temporaries can all share one memory pool: any graph may reuse any other's scratch
+memory, since replays never overlap and nothing a graph allocated is read after it ends.
 
-Padding (S > num_tokens): tokens num_tokens..S-1 are padding. V1's prepare_inputs
+Padding (S > num_tokens): tokens num_tokens..S-1 are padding. The runner's input prep
 writes input_ids 0, positions 0 (in range for the embedding and RoPE) and slot_mapping
 PAD there; the attention metadata covers the real requests only (num_reqs is not
 padded), so padded tokens attend to nothing and write no KV. Their rows carry garbage
@@ -32,24 +34,22 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 from torch import nn
 
+from shared.runtime.cudagraph_utils import Replayable
+
 logger = logging.getLogger("runnerlab")
-
-
-class Replayable(Protocol):
-    def replay(self) -> None: ...
 
 
 @dataclass(frozen=True)
 class _Views:
     """The static buffers cut to one capture size S."""
 
-    input_ids: torch.Tensor  # int32 [S], V1's persistent buffer
-    positions: torch.Tensor  # int64 [S], V1's persistent buffer
+    input_ids: torch.Tensor  # int32 [S], the runner's persistent buffer
+    positions: torch.Tensor  # int64 [S], the runner's persistent buffer
     q: torch.Tensor  # [S, H*D]
     k: torch.Tensor  # [S, Hkv*D]
     v: torch.Tensor  # [S, Hkv*D]
@@ -77,10 +77,10 @@ class PiecewiseGraphs:
         self,
         model: nn.Module,
         capture_sizes: list[int],
-        input_ids: torch.Tensor,  # int32 [>= max size]: V1's persistent device buffer
-        positions: torch.Tensor,  # int64 [>= max size]: V1's persistent device buffer
+        input_ids: torch.Tensor,  # int32 [>= max size]: the runner's persistent device buffer
+        positions: torch.Tensor,  # int64 [>= max size]: the runner's persistent device buffer
         dtype: torch.dtype,
-    ):
+    ) -> None:
         if not capture_sizes:
             raise ValueError("PiecewiseGraphs needs at least one capture size")
         self.model = split_model(model)
@@ -117,10 +117,11 @@ class PiecewiseGraphs:
         return num_tokens in self.graphs
 
     # ---- capture ------------------------------------------------------------------------
-    def capture(self, pool: Any = None) -> None:
+    def capture(self, pool: Any, label: str) -> None:
         """Largest size first (its temporaries size the pool; smaller sizes reuse them).
         Each segment runs eagerly once before its capture: Triton JIT and allocator
-        warm-up stay outside the graph."""
+        warm-up stay outside the graph. `pool`: the memory pool to share (None: a new
+        one per graph); `label` names the runner in the log line."""
         on_cuda = self.input_ids.is_cuda
         start = time.perf_counter()
         free_before = torch.cuda.mem_get_info()[0] if on_cuda else 0
@@ -140,8 +141,8 @@ class PiecewiseGraphs:
         if on_cuda:
             torch.cuda.synchronize()
             logger.info(
-                "V1 captured %d PIECEWISE graphs (%d segments x sizes %d..%d) in %.2f s, "
-                "%.1f MB of graph memory",
+                "%s captured %d PIECEWISE graphs (%d segments x sizes %d..%d) in %.2f s, "
+                "%.1f MB of graph memory", label,
                 sum(len(g) for g in self.graphs.values()), self.model.num_segments,
                 self.capture_sizes[0], self.capture_sizes[-1], time.perf_counter() - start,
                 (free_before - torch.cuda.mem_get_info()[0]) / 1e6,

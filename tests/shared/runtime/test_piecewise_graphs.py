@@ -1,11 +1,14 @@
-"""PiecewiseGraphs' data flow on CPU: static buffers, persistent inputs, eager attention
-between segments, padded sizes, stale rows from a larger earlier step.
+"""The shared PiecewiseGraphs' data flow on CPU: static buffers, persistent inputs, eager
+attention between segments, padded sizes, stale rows from a larger earlier step. The
+oracle is the model's plain forward on a twin KV cache.
 
-Capture itself needs a GPU (tests/gpu/runner_v1/test_piecewise_gpu.py). Here `_record`
-is replaced by an eager stand-in whose replay() re-runs the captured body. The body is the same
-closure a CUDA graph would record, reading and writing only the static views, so a
-value that travelled outside them (a fresh tensor handed from one segment to the next,
-a wrong view, a missing copy) shows up as a wrong result here too.
+Capture itself needs a GPU (tests/gpu/runner_v1/test_piecewise_gpu.py and
+tests/gpu/runner_v2/test_piecewise_gpu.py). Here `_record` is replaced by an eager
+stand-in whose replay() re-runs the captured body. The body is the same closure a CUDA
+graph would record, reading and writing only the static views, so a value that travelled
+outside them (a fresh tensor handed from one segment to the next, a wrong view, a missing
+copy) shows up as a wrong result here too. How each runner reaches these graphs:
+tests/runner_v1/test_cudagraph.py, tests/runner_v2/test_cudagraph.py.
 """
 
 from __future__ import annotations
@@ -14,10 +17,9 @@ import numpy as np
 import pytest
 import torch
 
-from runner_v1.cudagraph import CudaGraphWrapper
-from runner_v1.piecewise import PiecewiseGraphs
-from shared.runtime.cudagraph_utils import BatchDescriptor, padded_size
+from shared.runtime.cudagraph_utils import padded_size
 from shared.runtime.forward_context import set_forward_context
+from shared.runtime.piecewise_graphs import PiecewiseGraphs
 from tests.shared.model.test_model_piecewise import (
     BLOCK_SIZE,
     NUM_BLOCKS,
@@ -71,15 +73,20 @@ def _rows_for(rng: np.random.Generator, query_lens: list[int]):
 WALK = [[1, 1, 5, 7], [1, 2], [1, 8, 8, 8, 4], [6], [1, 1, 1]]
 
 
-@pytest.fixture(scope="module", params=["tiny-qwen3", "tiny-mixtral"])
-def setup(request):
-    model = preset_model(request.param)
+def captured_setup(preset: str):
+    """-> (harness, EagerPiecewise captured at SIZES, its persistent input_ids, positions)."""
+    model = preset_model(preset)
     harness = SplitHarness(model)
     input_ids = torch.zeros(MAX_TOKENS, dtype=torch.int32)
     positions = torch.zeros(MAX_TOKENS, dtype=torch.int64)
     graphs = EagerPiecewise(model, SIZES, input_ids, positions, torch.float64)
-    graphs.capture()
+    graphs.capture(None, "test")
     return harness, graphs, input_ids, positions
+
+
+@pytest.fixture(scope="module", params=["tiny-qwen3", "tiny-mixtral"])
+def setup(request):
+    return captured_setup(request.param)
 
 
 def test_capture_records_every_segment_largest_size_first(setup) -> None:
@@ -125,30 +132,6 @@ def test_padded_steps_match_the_eager_forward_and_write_only_real_slots(setup) -
             assert torch.equal(_flat_slots(new)[:, untouched], _flat_slots(init)[:, untouched])
 
 
-def test_wrapper_routes_piecewise_steps_and_falls_back_to_eager(setup) -> None:
-    harness, graphs, input_ids, positions = setup
-    rows = [([5, 6, 7], 0, [0]), ([8, 9], 0, [1])]
-    ids, pos, md = harness.inputs(rows, pad=3)
-    input_ids[:8], positions[:8] = ids.to(torch.int32), pos
-    calls = []
-    wrapper = CudaGraphWrapper(lambda i, p: calls.append(i.shape[0]) or "eager", graphs)
-    harness.bind(harness.fresh_caches())
-    desc = BatchDescriptor("PIECEWISE", 8, None)
-    with torch.no_grad():
-        graphs.replayed.clear()
-        with set_forward_context(md, list(harness.layers), 8, "PIECEWISE", desc):
-            out = wrapper(input_ids[:8], positions[:8])
-        assert out.data_ptr() == graphs.hidden_states.data_ptr() and graphs.replayed
-        assert calls == []
-        # NONE, or a PIECEWISE size that was never captured, runs the model
-        with set_forward_context(md, list(harness.layers), 8, "NONE"):
-            assert wrapper(input_ids[:8], positions[:8]) == "eager"
-        uncaptured = BatchDescriptor("PIECEWISE", 5, None)
-        with set_forward_context(md, list(harness.layers), 5, "PIECEWISE", uncaptured):
-            assert wrapper(input_ids[:5], positions[:5]) == "eager"
-    assert calls == [8, 5]
-
-
 def test_run_refuses_inputs_that_are_not_the_persistent_buffers(setup) -> None:
     _, graphs, _, _ = setup
     with pytest.raises(AssertionError, match="persistent"):
@@ -164,59 +147,3 @@ def test_construction_checks() -> None:
         PiecewiseGraphs(model, [], ids, pos, torch.float64)
     with pytest.raises(TypeError, match="piecewise split"):
         PiecewiseGraphs(torch.nn.Linear(2, 2), [4], ids, pos, torch.float64)
-
-
-# ---- end to end through the V1 runner, with the eager stand-in ---------------------------
-
-E2E_SIZES = [1, 2, 4, 8, 16, 24, 32, 48, 64]
-# step index -> prompt lengths arriving before that step (chunked under a 64-token budget)
-E2E_ARRIVALS = {0: [5, 90], 2: [3, 40], 4: [1, 70], 7: [17, 8, 2]}
-
-
-def _e2e_engine(piecewise: bool):
-    from policy import EngineArgs
-    from shared.serving.engine import LLMEngine
-
-    engine = LLMEngine.from_engine_args(EngineArgs(
-        model="tiny-qwen3", dtype="float64", device="cpu", seed=0, model_runner="v1",
-        max_model_len=256, max_num_seqs=16, max_num_batched_tokens=64,
-        num_gpu_blocks_override=64, enable_prefix_caching=False,
-    ))
-    if piecewise:
-        # What V1CudaGraphs would hold on a GPU with cudagraph_mode='PIECEWISE'.
-        graphs = engine.runner.graphs
-        graphs.mode, graphs.piecewise_sizes = "PIECEWISE", E2E_SIZES
-        graphs.piecewise_enabled = graphs.enabled = True
-        graphs.capture()
-    return engine
-
-
-def _e2e_run(engine) -> tuple[dict[str, list[int]], list[tuple[int, str]]]:
-    from shared.contract.sampling_params import SamplingParams
-
-    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
-    tokens, steps, step = {}, [], 0
-    while step <= max(E2E_ARRIVALS) or engine.has_unfinished_requests():
-        for i, n in enumerate(E2E_ARRIVALS.get(step, [])):
-            engine.add_request(f"s{step}-{i}", [(step * 31 + i * 7 + j) % 500 + 1
-                                                for j in range(n)], params)
-        for out in engine.step():
-            tokens[out.request_id] = out.outputs[0].token_ids
-        stats = engine.runner.step_stats
-        steps.append((stats.num_tokens, stats.cudagraph_mode))
-        step += 1
-    return tokens, steps
-
-
-def test_v1_engine_with_piecewise_steps_gives_the_eager_tokens(monkeypatch) -> None:
-    """The whole V1 step (dispatch, prepare_inputs padding the tail, wrapper, piecewise
-    run, sampling at logits_indices) on the TORCH backend, float64: same tokens as eager."""
-    monkeypatch.setattr(PiecewiseGraphs, "_record", lambda self, body, pool: _EagerReplay(body, []))
-    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: None)
-    eager_tokens, eager_steps = _e2e_run(_e2e_engine(piecewise=False))
-    tokens, steps = _e2e_run(_e2e_engine(piecewise=True))
-    assert {m for _, m in eager_steps} == {"NONE"}
-    assert {m for n, m in steps if n} == {"PIECEWISE"}
-    padded = {padded_size(n, E2E_SIZES) for n, _ in steps if n}
-    assert len(padded) >= 4 and any(padded_size(n, E2E_SIZES) > n for n, _ in steps if n)
-    assert tokens == eager_tokens
