@@ -41,6 +41,12 @@ class Sampler:
         # greedy rows never read their positions (sample() returns before the noise)
         assert metadata.all_greedy or (positions is not None
                                        and positions.shape == (logits.shape[0],))
+        if (metadata.repetition_penalty is None and not metadata.min_tokens_stop_ids
+                and metadata.max_num_logprobs is None):
+            # Nothing reads a compute-dtype copy of the logits: sample() divides them by
+            # the temperature in the compute dtype (promotion widens exactly, as the copy
+            # would), which saves a [N, vocab] pass over the logits.
+            return SamplerOutput(sample(logits, metadata, positions), None, None, None)
         raw = logits.to(compute_dtype(logits))
         x = apply_penalties(raw, metadata)
         x = apply_min_tokens(x, metadata)
@@ -135,7 +141,9 @@ def sample(x: torch.Tensor, metadata: SamplingMetadata,
     greedy = greedy_argmax(x) if not metadata.all_random else None
     if metadata.all_greedy:
         return greedy
-    temp = metadata.temperature.to(x.dtype)
+    # x may still be in the model dtype (bf16 / fp16): the division promotes it to the
+    # compute dtype of the temperature, exactly as widening x first would
+    temp = metadata.temperature.to(compute_dtype(x))
     # greedy rows divide by 1; their result is replaced by the greedy token below
     scaled = x / torch.where(temp == 0, torch.ones_like(temp), temp)[:, None]
     # In place on the fresh float64 noise: the same sum (scaled widens exactly, the add is

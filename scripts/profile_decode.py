@@ -39,23 +39,25 @@ def main() -> int:
     from policy import EngineArgs
     from policy.kernel_options import KernelOptions
 
-    engine = LLMEngine.from_engine_args(EngineArgs(
-        model=args.model, load_format="dummy", dtype="bfloat16", device="cuda", seed=0,
-        model_runner=args.runner, enforce_eager=args.eager, max_num_seqs=max(8, args.batch),
-        max_model_len=2048, num_gpu_blocks_override=max(4096, args.batch * 2048 // 16),
-        enable_prefix_caching=False, kernel_options=KernelOptions(pdl=args.pdl),
-        async_scheduling=args.async_scheduling, max_num_batched_tokens=8192,
-    ))
-    params = SamplingParams(max_tokens=64, temperature=0.6, seed=0, ignore_eos=True)
     if args.nano_prompts:
         from shared.harness.workloads import nano_vllm_workload
 
         prompts = nano_vllm_workload(num_requests=args.batch)[0]
     else:
         prompts = [[(i * 7 + j) % 1000 + 1 for j in range(128)] for i in range(args.batch)]
+    # KV blocks for every prompt plus its 64 outputs (and a margin): no preemption
+    engine = LLMEngine.from_engine_args(EngineArgs(
+        model=args.model, load_format="dummy", dtype="bfloat16", device="cuda", seed=0,
+        model_runner=args.runner, enforce_eager=args.eager, max_num_seqs=max(8, args.batch),
+        max_model_len=2048, num_gpu_blocks_override=sum(-(-(len(p) + 80) // 16) for p in prompts),
+        enable_prefix_caching=False, kernel_options=KernelOptions(pdl=args.pdl),
+        async_scheduling=args.async_scheduling, max_num_batched_tokens=8192,
+    ))
+    params = SamplingParams(max_tokens=64, temperature=0.6, seed=0, ignore_eos=True)
     for i, prompt in enumerate(prompts):
         engine.add_request(str(i), prompt, params)
-    for _ in range(8 if not args.nano_prompts else 40):  # past the prefills
+    # past the prefills (chunked by the 8192-token budget), then a few decode steps
+    for _ in range(8 + -(-sum(map(len, prompts)) // 8192)):
         engine.step()
     torch.cuda.synchronize()
     acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]

@@ -314,3 +314,21 @@ def test_greedy_argmax_is_the_first_maximum(vocab):
     got = greedy_argmax(x)
     assert got.tolist() == np.argmax(x.numpy(), axis=1).tolist()
     assert got.dtype == torch.int64 and got.shape == (5,)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_logits_sample_as_their_float32_widening(dtype):
+    """Random rows (top-k / top-p / min-p on some) straight from half-precision logits take
+    no float32 copy: the tokens must be those of the exactly widened float32 logits. 256
+    rows of logits near 50, where the half dtype's spacing is coarse next to the gaps
+    between Gumbel scores: scaling in the half dtype instead flips some of them."""
+    kinds = [(0.7, 0, 1.0, 0.0), (1.3, 20, 1.0, 0.0), (0.9, 0, 0.8, 0.0), (0.0, 0, 1.0, 0.0),
+             (1.1, 0, 1.0, 0.05), (0.6, 0, 1.0, 0.0), (0.3, 0, 1.0, 0.0), (1.7, 0, 1.0, 0.0)]
+    rows = [Row(SamplingParams(temperature=t, seed=s, top_k=k, top_p=p, min_p=m), prompt=[5])
+            for s, (t, k, p, m) in enumerate(kinds * 32)]
+    md, positions = make_metadata(rows, VOCAB)
+    gen = torch.Generator().manual_seed(5)
+    logits = (50 + torch.randn(len(rows), VOCAB, generator=gen) * 2).to(dtype)
+    got = Sampler()(logits, md, positions).sampled_token_ids
+    want = Sampler()(logits.float(), md, positions).sampled_token_ids
+    assert got.tolist() == want.tolist()
