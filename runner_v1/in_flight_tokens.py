@@ -46,6 +46,8 @@ class _InFlightStep:
     states: tuple[CachedRequestState, ...]
     rows: tuple[int, ...]
     output_index: tuple[int, ...]
+    # the sampled rows are exactly 0..len-1 (a steady decode), with these request ids
+    dense_req_ids: tuple[str, ...] | None
 
 
 class InFlightTokens:
@@ -78,8 +80,11 @@ class InFlightTokens:
         for state in states:  # per request, not per token
             index.append(len(state.output_token_ids))
             state.output_token_ids.append(PLACEHOLDER)
+        rows_list = rows.tolist()
+        dense = rows_list == list(range(len(rows_list)))
         self._steps.append(_InFlightStep(
-            output, sampled, tuple(states), tuple(rows.tolist()), tuple(index)))
+            output, sampled, tuple(states), tuple(rows_list), tuple(index),
+            tuple(state.req_id for state in states) if dense else None))
 
     # ---- landing --------------------------------------------------------------------
     def land(self, batch: PersistentBatch, keep_latest: bool) -> None:
@@ -121,6 +126,14 @@ class InFlightTokens:
         if holes.size == 0:
             return
         latest = self._steps[-1] if self._steps else None
+        n = holes.size
+        if (latest is not None and latest.dense_req_ids is not None and holes[-1] == n - 1
+                and tuple(req_ids[:n]) == latest.dense_req_ids):
+            # Steady decode: the first n tokens are the holes of rows 0..n-1 (each hole is
+            # its row's one token), the same requests in the same rows as when they
+            # sampled (a resubmitted id brings no hole). One slice copy, no index tensors.
+            input_ids[:n].copy_(latest.sampled[:n])
+            return
         src_of = {} if latest is None else {
             id(state): row for state, row in zip(latest.states, latest.rows)}
         rows_now = np.searchsorted(cu_num_tokens, holes, side="right")
@@ -134,11 +147,6 @@ class InFlightTokens:
                 "token that the most recent step did not sample and that has not landed: "
                 "the scheduler and the runner disagree about it"
             )
-        n = holes.size
-        if np.array_equal(holes, np.arange(n)) and np.array_equal(src, np.arange(n)):
-            # Steady decode (rows kept their order): one slice copy, no index tensors.
-            input_ids[:n].copy_(latest.sampled[:n])
-            return
         self._dst.np[:n] = holes
         self._src.np[:n] = src
         dst, src_t = self._dst.copy_to_gpu(n), self._src.copy_to_gpu(n)

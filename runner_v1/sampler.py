@@ -32,19 +32,14 @@ class Sampler:
         """positions: each logit's input position (it keys a random row's noise); may be
         None when every row is greedy."""
         assert logits.dim() == 2 and logits.shape[0] == metadata.num_reqs
-        if (metadata.all_greedy and metadata.repetition_penalty is None
-                and not metadata.min_tokens_stop_ids and metadata.max_num_logprobs is None):
-            # Plain greedy: the argmax of the logits as they are. The float32 copy below
-            # widens exactly, so it would pick the same index; skipping it (and the
-            # positions, which only seed random rows) takes two kernels off the step.
-            return SamplerOutput(greedy_argmax(logits), None, None, None)
         # greedy rows never read their positions (sample() returns before the noise)
         assert metadata.all_greedy or (positions is not None
                                        and positions.shape == (logits.shape[0],))
         if (metadata.repetition_penalty is None and not metadata.min_tokens_stop_ids
                 and metadata.max_num_logprobs is None):
-            # Nothing reads a compute-dtype copy of the logits: sample() divides them by
-            # the temperature in the compute dtype (promotion widens exactly, as the copy
+            # Nothing reads a compute-dtype copy of the logits: sample() takes them as they
+            # are (an all-greedy batch: their argmax; otherwise it divides them by the
+            # temperature in the compute dtype, promotion widening exactly as the copy
             # would), which saves a [N, vocab] pass over the logits.
             return SamplerOutput(sample(logits, metadata, positions), None, None, None)
         raw = logits.to(compute_dtype(logits))
