@@ -27,6 +27,13 @@ from runner_v1.prepare_inputs import InputBuffers, PreparedInputs, prepare_input
 from runner_v1.request_state import CachedRequestState
 from runner_v1.sampler import Sampler
 from runner_v1.sampling_metadata import SamplingMetadata
+from runner_v1.spec_decode.rejection_sampler import RejectionOutput
+from runner_v1.spec_decode.metadata import (
+    SpecDecodeMetadata,
+    append_accepted,
+    build_spec_decode_metadata,
+)
+from runner_v1.spec_decode.speculator import V1Speculator
 from shared.contract.sampler_output import SamplerOutput
 from shared.contract.step import ModelRunnerOutput, SchedulerOutput
 from shared.runtime.async_output import (
@@ -49,6 +56,7 @@ class _ExecuteState:
     hidden_states: torch.Tensor
     sampling_metadata: SamplingMetadata
     req_ids: list[str]
+    spec: SpecDecodeMetadata | None = None  # this step verifies drafts
 
 
 class GPUModelRunner(RunnerSetupMixin):
@@ -84,6 +92,10 @@ class GPUModelRunner(RunnerSetupMixin):
         self.in_flight = InFlightTokens(self.max_num_tokens, device)
         self.copy_stream = torch.cuda.Stream() if device.type == "cuda" else None
         self.output_ring = PinnedOutputRing()
+        spec = config.speculative_config
+        self.speculator = (
+            None if spec is None else V1Speculator(spec, sc.max_model_len, device)
+        )
 
     # ---- runner protocol: set-up (load_model, KV sizing: RunnerSetupMixin) ----------
     def capture_model(self) -> None:
@@ -120,10 +132,19 @@ class GPUModelRunner(RunnerSetupMixin):
             num_scheduled = np.fromiter(
                 (so.num_scheduled_tokens[r] for r in req_ids), dtype=np.int32, count=len(req_ids)
             )
+            num_draft = drafts = None
+            if so.scheduled_spec_decode_tokens:
+                num_draft, drafts = self.speculator.write_drafts(
+                    batch, so.scheduled_spec_decode_tokens)
             plan = self.graphs.dispatch(num_scheduled)
             inputs = prepare_inputs(
-                batch, num_scheduled, self.buffers, plan.num_tokens_padded, plan.num_reqs_padded
+                batch, num_scheduled, self.buffers, plan.num_tokens_padded, plan.num_reqs_padded,
+                num_draft,
             )
+            spec = None
+            if num_draft is not None:
+                spec = build_spec_decode_metadata(
+                    num_draft, inputs.query_start_loc_cpu.numpy(), drafts, self.device)
             if self.in_flight:
                 self.in_flight.scatter_into_input_ids(
                     self.buffers.input_ids.np[: inputs.num_tokens],
@@ -140,7 +161,7 @@ class GPUModelRunner(RunnerSetupMixin):
         self.timer.stats.cudagraph_mode = plan.mode
         with self.timer.stage("forward"):
             hidden = self.graphs.run(plan, inputs, attn_metadata)
-        self._state = _ExecuteState(inputs, hidden, sampling_metadata, req_ids)
+        self._state = _ExecuteState(inputs, hidden, sampling_metadata, req_ids, spec)
         return None
 
     def sample_tokens(self, grammar_output: Any = None) -> ModelRunnerOutput:
@@ -153,16 +174,62 @@ class GPUModelRunner(RunnerSetupMixin):
                 # The penalties count output tokens on the host: wait for the copy of the
                 # latest step's (it overlapped this step's forward) and land them.
                 self.in_flight.land(self.persistent_batch, keep_latest=False)
-            hidden = state.hidden_states[inputs.logits_indices]
-            logits = self.executor.compute_logits(hidden)
-            # the position of each logit's input token: the seeded noise is keyed by it
-            # (greedy rows have none: not gathered when every row is greedy)
-            positions = (None if state.sampling_metadata.all_greedy
-                         else inputs.positions[inputs.logits_indices])
-            sampler_output = self.sampler(logits, state.sampling_metadata, positions)
+            if state.spec is not None:
+                spec_out = self._sample_spec(state)
+            else:
+                hidden = state.hidden_states[inputs.logits_indices]
+                logits = self.executor.compute_logits(hidden)
+                # the position of each logit's input token: the seeded noise is keyed by
+                # it (greedy rows have none: not gathered when every row is greedy)
+                positions = (None if state.sampling_metadata.all_greedy
+                             else inputs.positions[inputs.logits_indices])
+                sampler_output = self.sampler(logits, state.sampling_metadata, positions)
         with self.timer.stage("postprocess"):
-            output = self._bookkeeping(state, sampler_output)
+            if state.spec is not None:
+                output = self._spec_bookkeeping(state, spec_out)
+            else:
+                output = self._bookkeeping(state, sampler_output)
+            self._propose(output, state)
         return output
+
+    def _sample_spec(self, state: _ExecuteState) -> RejectionOutput:
+        """A step with drafts: every logit row of the drafted rows, rejection sampling."""
+        md = state.spec
+        logits = self.executor.compute_logits(state.hidden_states[md.logits_indices])
+        positions = state.inputs.positions[md.logits_indices]
+        return self.speculator.sample(logits, state.sampling_metadata, positions, md)
+
+    def _spec_bookkeeping(self, state: _ExecuteState, out: RejectionOutput) -> ModelRunnerOutput:
+        """The accepted runs into the batch and the requests (synchronous: see
+        runner_v1/spec_decode/speculator.py)."""
+        tokens = out.output_token_ids.cpu().numpy()  # the step's one sync
+        counts = out.num_sampled.cpu().numpy().astype(np.int64)
+        batch = self.persistent_batch
+        n = state.inputs.num_reqs
+        # a partial prefill chunk samples nothing (its row has no drafts)
+        rows = np.flatnonzero(state.inputs.seq_lens_cpu[:n].numpy() >= batch.num_tokens[:n])
+        append_accepted(batch, rows, tokens[rows], counts[rows])
+        sampled: list[list[int]] = [[] for _ in range(n)]
+        for row in rows.tolist():  # per request: its accepted run
+            run = tokens[row, : counts[row]].tolist()
+            sampled[row] = run
+            self.requests[state.req_ids[row]].output_token_ids.extend(run)
+        return ModelRunnerOutput(
+            req_ids=state.req_ids,
+            req_id_to_index={r: i for i, r in enumerate(state.req_ids)},
+            sampled_token_ids=sampled,
+        )
+
+    def _propose(self, output: ModelRunnerOutput, state: _ExecuteState) -> None:
+        """The next step's drafts for every row that sampled (synchronous runs only)."""
+        if self.speculator is None or not isinstance(output, ModelRunnerOutput):
+            return  # (async outputs never meet a speculator: the config refuses the pair)
+        rows = np.flatnonzero([bool(t) for t in output.sampled_token_ids])
+        proposals = self.speculator.propose(self.persistent_batch, rows)
+        drafts: list[list[int]] = [[] for _ in state.req_ids]
+        for row, d in zip(rows.tolist(), proposals):
+            drafts[row] = d
+        output.draft_token_ids = drafts
 
     def reset_request_states(self) -> None:
         """Forget every request; model, KV cache and graphs stay. The engine calls it after

@@ -136,8 +136,11 @@ def prepare_inputs(
     buffers: InputBuffers,
     num_tokens_padded: int | None = None,
     num_reqs_padded: int | None = None,
+    num_draft_tokens: np.ndarray | None = None,
 ) -> PreparedInputs:
-    """num_scheduled_tokens_np: int32 [num_reqs] in row order of the condensed batch."""
+    """num_scheduled_tokens_np: int32 [num_reqs] in row order of the condensed batch.
+    num_draft_tokens: int32 [num_reqs], speculative drafts written past each row's
+    num_tokens in the token table (runner_v1/spec_decode), or None."""
     num_reqs = batch.num_reqs
     if batch.has_holes or num_scheduled_tokens_np.shape[0] != num_reqs:
         raise ValueError("prepare_inputs needs a condensed batch and one count per row")
@@ -157,7 +160,10 @@ def prepare_inputs(
     fill_seq_lens(batch.num_computed_tokens, num_scheduled, seq_lens_np)
     max_seq_len = int(seq_lens_np[:num_reqs].max())
     # A position at or past num_tokens would read a stale token (or the next row).
-    over = np.flatnonzero(seq_lens_np[:num_reqs] > batch.num_tokens[:num_reqs])
+    known = batch.num_tokens[:num_reqs]
+    if num_draft_tokens is not None:
+        known = known + num_draft_tokens
+    over = np.flatnonzero(seq_lens_np[:num_reqs] > known)
     if over.size:
         row = int(over[0])
         raise RuntimeError(

@@ -6,6 +6,68 @@ from dataclasses import dataclass, field
 
 
 @dataclass
+class SpecDecodeStats:
+    """Speculative decoding counters, per request or summed over an engine.
+
+    A "draft" is one verification of a request's proposals in one step (a step in which
+    it was scheduled with at least one draft token). Accepted counts are what the
+    rejection sampler accepted, before a stop inside the run truncated the output.
+    """
+
+    num_drafts: int = 0  # verifications with >= 1 draft token
+    num_draft_tokens: int = 0  # draft tokens verified
+    num_accepted_tokens: int = 0  # draft tokens accepted
+    # accepted_per_position[i]: verifications that accepted draft position i
+    accepted_per_position: list[int] = field(default_factory=list)
+
+    def record(self, num_draft_tokens: int, num_accepted: int) -> None:
+        if num_draft_tokens <= 0:
+            return
+        self.num_drafts += 1
+        self.num_draft_tokens += num_draft_tokens
+        self.num_accepted_tokens += num_accepted
+        if len(self.accepted_per_position) < num_draft_tokens:
+            self.accepted_per_position.extend(
+                [0] * (num_draft_tokens - len(self.accepted_per_position)))
+        for i in range(num_accepted):  # <= 16 positions
+            self.accepted_per_position[i] += 1
+
+    def merge(self, other: SpecDecodeStats) -> None:
+        self.num_drafts += other.num_drafts
+        self.num_draft_tokens += other.num_draft_tokens
+        self.num_accepted_tokens += other.num_accepted_tokens
+        for i, n in enumerate(other.accepted_per_position):
+            if i < len(self.accepted_per_position):
+                self.accepted_per_position[i] += n
+            else:
+                self.accepted_per_position.append(n)
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Accepted / drafted tokens (0 when nothing was drafted)."""
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """Tokens emitted per verification: 1 (the target's own token) + accepted drafts."""
+        return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 1.0
+
+    def acceptance_rate_per_position(self) -> list[float]:
+        """Per draft position i: verifications that accepted position i / verifications."""
+        return [n / self.num_drafts if self.num_drafts else 0.0 for n in self.accepted_per_position]
+
+    def as_dict(self) -> dict[str, object]:
+        return {
+            "num_drafts": self.num_drafts,
+            "num_draft_tokens": self.num_draft_tokens,
+            "num_accepted_tokens": self.num_accepted_tokens,
+            "acceptance_rate": self.acceptance_rate,
+            "mean_acceptance_length": self.mean_acceptance_length,
+            "acceptance_rate_per_position": self.acceptance_rate_per_position(),
+        }
+
+
+@dataclass
 class CompletionOutput:
     index: int
     token_ids: list[int]  # cumulative: every token generated so far
@@ -24,3 +86,5 @@ class RequestOutput:
     finished: bool
     prompt: str | None = None
     metrics: dict[str, float] = field(default_factory=dict)
+    # None unless the engine runs speculative decoding
+    spec_decode_stats: SpecDecodeStats | None = None

@@ -55,7 +55,9 @@ class SchedulerOutput:
     total_num_scheduled_tokens: int
     finished_req_ids: set[str]  # finished and aborted since the last step
     preempted_req_ids: set[str] = field(default_factory=set)
-    # Speculative decoding is not implemented; the field keeps the contract's shape.
+    # Speculative decoding: req_id -> the draft tokens scheduled after its last sampled
+    # token this step (they are counted in num_scheduled_tokens: 1 + len(drafts) for a
+    # decode). -1 entries are drafts whose values live on the device (V2's draft model).
     scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
 
     @property
@@ -77,11 +79,17 @@ class TokenLogprobs:
 class ModelRunnerOutput:
     req_ids: list[str]  # batch order of this step
     req_id_to_index: dict[str, int]
-    sampled_token_ids: list[list[int]]  # [] for a partial prefill chunk
+    # [] for a partial prefill chunk; with speculative decoding the accepted drafts and
+    # the target's own token (1 .. 1 + num drafts tokens)
+    sampled_token_ids: list[list[int]]
     # aligned with req_ids; an entry is None when not requested or nothing was sampled
     logprobs: list[TokenLogprobs | None] | None = None
     prompt_logprobs: dict[str, object] = field(default_factory=dict)
     pooler_output: list[object] | None = None
+    # Speculative decoding: aligned with req_ids, the drafts proposed for each request's
+    # next step ([] for none; -1 entries when the values stay on the device). None when
+    # the runner proposes nothing.
+    draft_token_ids: list[list[int]] | None = None
 
     @staticmethod
     def empty() -> ModelRunnerOutput:

@@ -104,13 +104,14 @@ class ModelExecutor:
         per_layer = 2 * self.block_size * mc.num_kv_heads * mc.head_dim * elem
         return per_layer * len(self.layer_names)
 
-    def determine_num_blocks(self, profile_fn) -> int:
+    def determine_num_blocks(self, profile_fn, extra_bytes_per_block: int = 0) -> int:
         """From num_gpu_blocks_override, else from free memory on GPU (after a profile
-        forward of the largest batch), else a CPU default bounded by a fixed budget."""
+        forward of the largest batch), else a CPU default bounded by a fixed budget.
+        extra_bytes_per_block: KV that shares the block layout (a draft model's)."""
         cc = self.config.cache_config
         if cc.num_gpu_blocks_override is not None:
             return cc.num_gpu_blocks_override
-        per_block = self.kv_bytes_per_block()
+        per_block = self.kv_bytes_per_block() + extra_bytes_per_block
         if self.device.type == "cuda":
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()

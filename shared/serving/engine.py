@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from policy.config import EngineConfig
-from shared.contract.outputs import CompletionOutput, RequestOutput
+from shared.contract.outputs import CompletionOutput, RequestOutput, SpecDecodeStats
 from shared.contract.sampling_params import SamplingParams, SamplingParamsError
 from shared.contract.step import SchedulerOutput
 from shared.runtime.kernel_options import use_kernel_options
@@ -61,6 +61,13 @@ class LLMEngine:
         # This engine's kernel options, installed around its set-up (the graphs captured
         # here keep them) and around each step (`step`).
         self.kernel_options = config.kernel_options
+        spec = config.speculative_config
+        self.num_speculative_tokens = 0 if spec is None else spec.num_speculative_tokens
+        # A draft model writes its KV up to k - 1 positions past the request's last token
+        # before the next schedule allocates them: the scheduler allocates that far ahead.
+        self.num_lookahead_tokens = (
+            self.num_speculative_tokens if spec is not None and spec.method == "draft_model" else 0
+        )
         with use_kernel_options(self.kernel_options):
             num_blocks = self._set_up_runner(config)
 
@@ -74,6 +81,8 @@ class LLMEngine:
             enable_prefix_caching=cc.enable_prefix_caching,
             enable_chunked_prefill=sc.enable_chunked_prefill,
             async_scheduling=sc.async_scheduling,
+            num_speculative_tokens=self.num_speculative_tokens,
+            num_lookahead_tokens=self.num_lookahead_tokens,
         )
         self.async_scheduling = sc.async_scheduling
         if self.async_scheduling and not getattr(self.runner, "supports_async_scheduling", False):
@@ -87,6 +96,8 @@ class LLMEngine:
         self._tokenizer_loaded = False
         self._arrivals = 0
         self._seed_rng = random.Random(config.load_config.seed)
+        # Summed over finished requests (each request's own counters are in its output).
+        self.spec_decode_stats = SpecDecodeStats()
         # True: step() returns every request that advanced (cumulative tokens, vLLM's
         # streaming view). False: only requests that finished — what offline batch
         # generation needs, and O(1) per request per step instead of copying every
@@ -221,6 +232,8 @@ class LLMEngine:
                 f"request {request_id!r}: SamplingParams.stop_token_ids {bad_stops} are outside "
                 f"the vocabulary [0, {self.vocab_size})"
             )
+        if self.num_speculative_tokens:
+            self._check_spec_decode_params(request_id, params)
         if params.min_tokens > 0:
             masked = set(params.stop_token_ids)
             if self.eos_token_id is not None and not params.ignore_eos:
@@ -233,6 +246,22 @@ class LLMEngine:
                     "stop_token_ids or set min_tokens=0"
                 )
         return params
+
+    def _check_spec_decode_params(self, request_id: str, params: SamplingParams) -> None:
+        """What the rejection samplers do not implement yet is refused, never ignored."""
+        unsupported = []
+        if params.uses_penalties:
+            unsupported.append("presence/frequency/repetition penalties")
+        if params.min_tokens > 0:
+            unsupported.append(f"min_tokens={params.min_tokens}")
+        if params.logprobs is not None:
+            unsupported.append(f"logprobs={params.logprobs}")
+        if unsupported:
+            raise EngineInputError(
+                f"request {request_id!r}: {', '.join(unsupported)} with speculative decoding "
+                "is not supported yet; drop them from SamplingParams or run the engine with "
+                "speculative_config=None"
+            )
 
     def abort_request(self, request_ids: Iterable[str] | str) -> None:
         if isinstance(request_ids, str):
@@ -304,6 +333,10 @@ class LLMEngine:
         if hasattr(runner_output, "get_output"):
             runner_output = runner_output.get_output()
         updates = self.scheduler.update_from_output(scheduler_output, runner_output)
+        if self.num_speculative_tokens:
+            for update in updates:
+                if update.finished:
+                    self.spec_decode_stats.merge(update.request.spec_decode_stats)
         if not self.stream_outputs:
             return [self._to_request_output(u) for u in updates if u.finished]
         return [self._to_request_output(u) for u in updates]
@@ -331,6 +364,7 @@ class LLMEngine:
             prompt_token_ids=list(req.prompt_token_ids),
             outputs=[completion],
             finished=update.finished,
+            spec_decode_stats=req.spec_decode_stats if self.num_speculative_tokens else None,
         )
 
     def _check_kv_fits_one_request(self, num_blocks: int) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
+from shared.contract.outputs import SpecDecodeStats
 from shared.contract.sampling_params import SamplingParams
 
 
@@ -69,6 +70,10 @@ class Request:
         # kept across preemption like the output tokens themselves.
         self.logprobs: list[dict[int, float]] = []
         self.stop_reason: int | None = None
+        # Speculative decoding: the drafts the runner proposed for the next step (-1
+        # entries: values on the device), consumed when scheduled; and the counters.
+        self.spec_token_ids: list[int] = []
+        self.spec_decode_stats = SpecDecodeStats()
 
     def __repr__(self) -> str:
         return (

@@ -22,6 +22,17 @@ Finish reporting:
 - an aborted request is reported by the update_from_output of the step whose
   SchedulerOutput first carries its id in finished_req_ids (the step after the abort).
 
+Speculative decoding (num_speculative_tokens > 0): a decode's drafts, proposed by the
+runner with the previous step's output (ModelRunnerOutput.draft_token_ids), are scheduled
+as extra query tokens after its last token (SchedulerOutput.scheduled_spec_decode_tokens,
+counted in num_scheduled_tokens), trimmed so that no draft lies past max_model_len,
+max_tokens or the token budget. KV slots are allocated for the drafts plus
+num_lookahead_tokens more (a draft model writes its KV that far ahead before the next
+schedule). After verification num_computed_tokens drops by the rejected drafts (their KV
+slots are simply overwritten later); the accepted tokens are appended one by one with the
+stop check after each, so a stop inside an accepted run ends the request there. Prefix
+caching hashes only appended tokens, so a draft never enters a block hash.
+
 A failed step (any exception between schedule() and the end of update_from_output(),
 KeyboardInterrupt included): the engine calls `recover_from_failed_step()`, which rolls
 every live request back to what the scheduler had confirmed (the tokens appended by
@@ -80,6 +91,8 @@ class Scheduler:
         enable_prefix_caching: bool,
         enable_chunked_prefill: bool = True,
         async_scheduling: bool = False,
+        num_speculative_tokens: int = 0,
+        num_lookahead_tokens: int = 0,
     ) -> None:
         if min(max_num_seqs, max_num_batched_tokens, max_model_len) < 1:
             raise ValueError("max_num_seqs, max_num_batched_tokens and max_model_len must be >= 1")
@@ -94,6 +107,14 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.enable_chunked_prefill = enable_chunked_prefill
         self.async_scheduling = async_scheduling
+        if async_scheduling and num_speculative_tokens:
+            raise ValueError(
+                "async_scheduling=True with speculative decoding is not supported yet: the "
+                "number of accepted tokens in flight is unknown to the scheduler; set "
+                "async_scheduling=False or speculative_config=None"
+            )
+        self.num_speculative_tokens = num_speculative_tokens
+        self.num_lookahead_tokens = num_lookahead_tokens
         self.kv_cache_manager = KVCacheManager(num_blocks, block_size, enable_prefix_caching)
 
         self.requests: dict[str, Request] = {}  # live (waiting or running) requests by id
@@ -197,11 +218,31 @@ class Scheduler:
             if num_new <= 0 or num_new > step.token_budget:
                 i += 1
                 continue
-            new_block_ids = self._allocate_or_preempt(request, num_new, step)
+            drafts = self._schedulable_drafts(request, num_new, step.token_budget)
+            num_new += len(drafts)
+            # never past max_model_len: the block table has no column there
+            lookahead = min(self.num_lookahead_tokens,
+                            self.max_model_len - request.num_computed_tokens - num_new)
+            new_block_ids = self._allocate_or_preempt(request, num_new + lookahead, step)
             if new_block_ids is None:
                 break  # the request preempted itself: everything after it is gone too
-            step.add_cached(request, num_new, new_block_ids)
+            step.add_cached(request, num_new, new_block_ids, drafts)
             i += 1
+
+    def _schedulable_drafts(self, request: Request, num_new: int, token_budget: int) -> list[int]:
+        """The request's drafts that may run this step; consumed either way (a draft is
+        proposed for one step only)."""
+        drafts, request.spec_token_ids = request.spec_token_ids, []
+        if not drafts or num_new != 1:  # drafts follow the last token of a decode only
+            return []
+        limit = min(
+            token_budget - 1,
+            # the run's last token (the target's own) still within max_model_len
+            self.max_model_len - request.num_computed_tokens - 2,
+            # no accepted token past max_tokens (the target's own token counts too)
+            request.sampling_params.max_tokens - request.num_output_tokens - 1,
+        )
+        return drafts[: max(0, limit)]
 
     def _allocate_or_preempt(
         self, request: Request, num_new: int, step: _StepBuilder
@@ -225,6 +266,7 @@ class Scheduler:
 
     def _preempt(self, request: Request, step: _StepBuilder) -> None:
         self.kv_cache_manager.free(request)
+        request.spec_token_ids = []
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         self.waiting.appendleft(request)
@@ -279,6 +321,7 @@ class Scheduler:
         for request in self.waiting:
             request.num_computed_tokens = 0
             request.num_output_placeholders = 0  # in-flight tokens are dropped, not awaited
+            request.spec_token_ids = []
         self.kv_cache_manager.reset_prefix_cache()
         # The runner forgets every request, so there is nothing left to tell it.
         self.finished_req_ids = set()
@@ -319,6 +362,13 @@ class Scheduler:
         sampled = runner_output.sampled_token_ids[index]
         if not sampled:  # a partial prefill chunk: nothing to sample from yet
             return None
+        drafts = record.scheduler_output.scheduled_spec_decode_tokens.get(request.request_id)
+        if drafts:
+            num_accepted = len(sampled) - 1
+            # The rejected drafts' KV is garbage: recompute from the first of them (the
+            # slots stay allocated and are overwritten).
+            request.num_computed_tokens -= len(drafts) - num_accepted
+            request.spec_decode_stats.record(len(drafts), num_accepted)
         new_token_ids: list[int] = []
         for token_id in sampled:
             request.append_output_token_id(token_id)
@@ -332,6 +382,8 @@ class Scheduler:
                 self._finish(request, status)
                 record.finished.append(request)
                 break
+        if runner_output.draft_token_ids is not None and not request.is_finished:
+            request.spec_token_ids = list(runner_output.draft_token_ids[index])
         logprobs = runner_output.logprobs[index] if runner_output.logprobs else None
         new_logprobs = None if logprobs is None else [_logprobs_dict(logprobs)]
         if new_logprobs is not None:
@@ -385,6 +437,7 @@ class _StepBuilder:
         self.scheduled: dict[str, Request] = {}
         self.preempted_req_ids: set[str] = set()
         self.sampling: list[Request] = []
+        self.spec_decode_tokens: dict[str, list[int]] = {}
 
     def _take(self, request: Request, num_new: int) -> None:
         self.num_scheduled_tokens[request.request_id] = num_new
@@ -396,7 +449,11 @@ class _StepBuilder:
             request.num_output_placeholders += 1
             self.sampling.append(request)
 
-    def add_cached(self, request: Request, num_new: int, new_block_ids: list[int]) -> None:
+    def add_cached(
+        self, request: Request, num_new: int, new_block_ids: list[int], drafts: list[int]
+    ) -> None:
+        if drafts:
+            self.spec_decode_tokens[request.request_id] = drafts
         self.cached_reqs.req_ids.append(request.request_id)
         self.cached_reqs.new_block_ids.append(new_block_ids)
         self.cached_reqs.num_computed_tokens.append(request.num_computed_tokens)
@@ -425,4 +482,5 @@ class _StepBuilder:
             total_num_scheduled_tokens=sum(self.num_scheduled_tokens.values()),
             finished_req_ids=finished_req_ids,
             preempted_req_ids=self.preempted_req_ids,
+            scheduled_spec_decode_tokens=self.spec_decode_tokens,
         )

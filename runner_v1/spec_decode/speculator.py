@@ -1,0 +1,87 @@
+"""V1 speculative decoding in the step: drafts into the token table, spec-decode metadata
+in NumPy, rejection sampling in PyTorch, accepted runs into the batch, the next proposals.
+
+V1's way, as in vLLM: the drafts the scheduler hands back (SchedulerOutput.
+scheduled_spec_decode_tokens) are written into the host token table right after each
+row's known tokens, so the ordinary NumPy input gather reads them as query tokens; the
+logits of a row with k drafts are its last k + 1 tokens; after sampling the accepted run
+and the target's own token are appended to the table, and the ngram proposer reads the
+table for the next step's drafts. Nothing here runs under async scheduling (the engine
+refuses that combination at config time).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+from runner_v1.persistent_batch import PersistentBatch
+from runner_v1.sampling_metadata import SamplingMetadata
+from runner_v1.spec_decode.ngram_proposer import NgramProposer
+from runner_v1.spec_decode.metadata import SpecDecodeMetadata, ragged_arange
+from runner_v1.spec_decode.rejection_sampler import RejectionOutput, rejection_sample
+
+
+class V1Speculator:
+    def __init__(self, spec_config: Any, max_model_len: int, device: torch.device) -> None:
+        if spec_config.method != "ngram":
+            # draft_model in V1 is not built yet: refuse rather than run without drafts
+            raise ValueError(
+                f"speculative_config.method={spec_config.method!r} is not implemented in the "
+                "V1 runner yet; use method='ngram'"
+            )
+        if spec_config.rejection_sample_method == "block":
+            raise ValueError(
+                "speculative_config.rejection_sample_method='block' (block verification) is "
+                "V2-only; use 'standard' or 'synthetic' with the V1 runner, or "
+                "RUNNERLAB_USE_V2_MODEL_RUNNER=1"
+            )
+        self.k = spec_config.num_speculative_tokens
+        self.method = spec_config.rejection_sample_method
+        rates = spec_config.synthetic_acceptance_rates
+        self.synthetic_rates = None if rates is None else tuple(float(r) for r in rates)
+        self.device = device
+        self.proposer = NgramProposer(
+            self.k, spec_config.prompt_lookup_min, spec_config.prompt_lookup_max, max_model_len
+        )
+
+    # ---- before the forward -------------------------------------------------------------
+    def write_drafts(
+        self, batch: PersistentBatch, scheduled_spec_decode_tokens: dict[str, list[int]]
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """Writes each scheduled row's drafts after its known tokens (the columns past
+        num_tokens are scratch: nothing but this step's gather reads them, and the
+        accepted tokens overwrite them). Returns (drafts per row int32 [N], the drafts
+        flat in row order)."""
+        num_draft = np.zeros(batch.num_reqs, dtype=np.int32)
+        for req_id, drafts in scheduled_spec_decode_tokens.items():  # per request
+            row = batch.req_id_to_index[req_id]
+            start = int(batch.num_tokens[row])
+            batch.token_ids[row, start : start + len(drafts)] = drafts
+            num_draft[row] = len(drafts)
+        # read back in row order: the rejection sampler wants them flat, row by row
+        rows = np.flatnonzero(num_draft)
+        counts = num_draft[rows]
+        cols = np.repeat(batch.num_tokens[rows].astype(np.int64), counts) + ragged_arange(counts)
+        return num_draft, batch.token_ids[np.repeat(rows, counts), cols].astype(np.int64)
+
+    # ---- sampling -----------------------------------------------------------------------
+    def sample(
+        self, logits: torch.Tensor, metadata: SamplingMetadata, positions: torch.Tensor,
+        md: SpecDecodeMetadata,
+    ) -> RejectionOutput:
+        return rejection_sample(
+            logits, metadata, positions, md.num_draft_tokens, md.draft_token_ids, None,
+            self.method, self.synthetic_rates,
+        )
+
+    # ---- after sampling -----------------------------------------------------------------
+    def propose(self, batch: PersistentBatch, rows: np.ndarray) -> list[list[int]]:
+        """ngram drafts for the given rows (those that sampled), from the token table
+        with this step's accepted tokens in it."""
+        if rows.size == 0:
+            return []
+        drafts, counts = self.proposer.propose(batch.token_ids, batch.num_tokens, rows)
+        return [d[:c].tolist() for d, c in zip(drafts, counts.tolist())]

@@ -1,0 +1,38 @@
+"""A draft model's own sampling, shared by both runners so that V1 and V2 propose the
+same drafts: the draft distribution q and a token drawn from it.
+
+q is softmax(x / T) over the whole vocabulary in float64 (no top-k / top-p: the target's
+filters act in the rejection sampler, and the standard rule is exact for any q), and the
+draft token is Gumbel-max over the same scaled logits, which draws from exactly that q.
+The noise is the shared seeded noise under the request's seed salted with DRAFT_SALT:
+keyed like the target's noise it would correlate the draft with the acceptance and
+recovery draws and bias the rejection sampler (vLLM #47386). Greedy rows (T == 0) take
+the argmax and need no q: the rejection samplers verify them by exact match.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from shared.sampling.noise import DRAFT_SALT, gumbel_noise
+
+
+def sample_draft(
+    logits: torch.Tensor, temperature: torch.Tensor, seeds: torch.Tensor,
+    positions: torch.Tensor, want_probs: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """logits [n, V] (draft model, any float dtype); temperature float32 [n] (0 = greedy);
+    seeds int64 [n] (the requests' seeds, unsalted); positions int64 [n] (each logit's
+    input position). Returns (draft tokens int64 [n], q float64 [n, V] or None when not
+    wanted or every row is greedy)."""
+    compute = torch.float64 if logits.dtype == torch.float64 else torch.float32
+    x = logits.to(compute)
+    greedy = temperature == 0
+    if bool(greedy.all()):
+        return x.argmax(dim=-1), None
+    temp = torch.where(greedy, torch.ones_like(temperature), temperature).to(compute)
+    scaled = x / temp[:, None]
+    noise = gumbel_noise(seeds ^ DRAFT_SALT, positions.to(torch.int64), x.shape[1])
+    tokens = torch.where(greedy, x.argmax(dim=-1), noise.add_(scaled).argmax(dim=-1))
+    probs = torch.softmax(scaled.to(torch.float64), dim=-1) if want_probs else None
+    return tokens, probs
