@@ -1,0 +1,1 @@
+"""V1 speculative decoding."""
