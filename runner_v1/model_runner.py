@@ -27,12 +27,12 @@ from runner_v1.prepare_inputs import InputBuffers, PreparedInputs, prepare_input
 from runner_v1.request_state import CachedRequestState
 from runner_v1.sampler import Sampler
 from runner_v1.sampling_metadata import SamplingMetadata
-from runner_v1.spec_decode.rejection_sampler import RejectionOutput
 from runner_v1.spec_decode.metadata import (
     SpecDecodeMetadata,
     append_accepted,
     build_spec_decode_metadata,
 )
+from runner_v1.spec_decode.rejection_sampler import RejectionOutput
 from runner_v1.spec_decode.speculator import V1Speculator
 from shared.contract.sampler_output import SamplerOutput
 from shared.contract.step import ModelRunnerOutput, SchedulerOutput

@@ -117,14 +117,19 @@ def _prepare_inputs_kernel(
     last_sampled_ptr,  # [max_num_reqs] int64
     all_token_ids_ptr,  # [max_num_reqs, max_model_len] int32 (UVA on CUDA)
     all_token_ids_stride,
+    draft_tokens_ptr,  # [max_num_reqs, k] int64, by state row (read iff HAS_DRAFTS)
+    draft_tokens_stride,
     num_reqs,
     max_num_reqs,
     num_tokens_padded,
     BLOCK: tl.constexpr,
+    HAS_DRAFTS: tl.constexpr,
+    DRAFT_BLOCK: tl.constexpr,  # >= k, a power of two
 ):
     """One program per batch row: seq_len, positions, input ids (prefill positions from
-    all_token_ids, the sampled position from last_sampled_tokens) and the logit index.
-    One extra program zeroes the padded seq_lens and the padded tokens' ids / positions."""
+    all_token_ids, the sampled position from last_sampled_tokens, the positions after it
+    from the row's drafts) and the logit index. One extra program zeroes the padded
+    seq_lens and the padded tokens' ids / positions."""
     b = tl.program_id(0)
     if b < num_reqs:
         row = tl.load(idx_mapping_ptr + b)
@@ -148,11 +153,19 @@ def _prepare_inputs_kernel(
             mask = offs < n
             tl.store(input_ids_ptr + start + offs, tl.load(src + offs, mask=mask), mask=mask)
         # ... and the first position at or past prefill_len is the token sampled last
-        # step, still only on the device. Without speculative decoding it is the only one.
+        # step, still only on the device; the scheduled drafts follow it (speculative
+        # decoding: a prefix of the row's proposals, also only on the device).
         first_sampled_pos = tl.maximum(num_computed, prefill_len)
         if first_sampled_pos < num_computed + query_len:
             tok = tl.load(last_sampled_ptr + row)
-            tl.store(input_ids_ptr + start + first_sampled_pos - num_computed, tok.to(tl.int32))
+            first = start + first_sampled_pos - num_computed
+            tl.store(input_ids_ptr + first, tok.to(tl.int32))
+            if HAS_DRAFTS:
+                num_drafts = num_computed + query_len - first_sampled_pos - 1
+                d = tl.arange(0, DRAFT_BLOCK)
+                src = draft_tokens_ptr + row.to(tl.int64) * draft_tokens_stride + d
+                drafts = tl.load(src, mask=d < num_drafts)
+                tl.store(input_ids_ptr + first + 1 + d, drafts.to(tl.int32), mask=d < num_drafts)
     else:
         # The extra program zeroes the whole padded tail, so any graph size that
         # reads past num_reqs sees seq_len 0 (not a previous step's length).
@@ -192,9 +205,11 @@ def prepare_inputs(
     state: RequestState,
     buffers: InputBuffers,
     block_tables: BlockTables,
+    draft_tokens: torch.Tensor | None = None,
 ) -> InputBatch:
     """Fill the persistent buffers for one step (batch already ordered) and return the
-    step's views. Two small H2D copies (idx_mapping, query_start_loc), then one
+    step's views. draft_tokens: int64 [max_num_reqs, k] by state row, the proposals
+    speculative decoding scheduled after each decode's sampled token (None: no drafts). Two small H2D copies (idx_mapping, query_start_loc), then one
     input-prep launch and BlockTables.prepare's one launch (which reads the positions
     the first one writes); no sync."""
     num_reqs = len(req_ids)
@@ -213,7 +228,7 @@ def prepare_inputs(
     query_start_loc = buffers.query_start_loc[: num_reqs_padded + 1]
     async_copy_to_device(qsl_np, device, out=query_start_loc)
 
-    _launch_prepare_inputs(buffers, idx_mapping, state, num_reqs, num_tokens_padded)
+    _launch_prepare_inputs(buffers, idx_mapping, state, num_reqs, num_tokens_padded, draft_tokens)
     nc_np = state.num_computed_tokens_np[idx_mapping_np]
 
     seq_lens_np = np.zeros(num_reqs_padded, dtype=np.int32)
@@ -256,15 +271,22 @@ def _launch_prepare_inputs(
     state: RequestState,
     num_reqs: int,
     num_tokens_padded: int,
+    draft_tokens: torch.Tensor | None = None,
 ) -> None:
     all_token_ids = state.all_token_ids.gpu
     assert idx_mapping.dtype == torch.int32 and state.num_computed_tokens.gpu.dtype == torch.int32
     assert all_token_ids.dtype == torch.int32 and all_token_ids.dim() == 2
     assert state.last_sampled_tokens.gpu.dtype == torch.int64
+    has_drafts = draft_tokens is not None
+    if has_drafts:
+        assert draft_tokens.dtype == torch.int64 and draft_tokens.stride(1) == 1
+    drafts = draft_tokens if has_drafts else state.last_sampled_tokens.gpu  # dummy pointer
     _prepare_inputs_kernel[(num_reqs + 1,)](
         buffers.input_ids, buffers.positions, buffers.seq_lens, buffers.logits_indices,
         idx_mapping, buffers.query_start_loc, state.num_computed_tokens.gpu,
         state.prefill_len.gpu, state.last_sampled_tokens.gpu, all_token_ids,
-        all_token_ids.stride(0), num_reqs, buffers.max_num_reqs, num_tokens_padded,
-        BLOCK=_BLOCK,
+        all_token_ids.stride(0), drafts, drafts.stride(0) if has_drafts else 0,
+        num_reqs, buffers.max_num_reqs, num_tokens_padded,
+        BLOCK=_BLOCK, HAS_DRAFTS=has_drafts,
+        DRAFT_BLOCK=triton.next_power_of_2(draft_tokens.shape[1]) if has_drafts else 1,
     )  # fmt: skip

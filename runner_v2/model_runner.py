@@ -24,6 +24,9 @@ from runner_v2.input_batch import InputBatch, InputBuffers, gather_batch_req_sta
 from runner_v2.post_update import post_update
 from runner_v2.sample.sampler import Sampler
 from runner_v2.sample.states import SamplingStates
+from runner_v2.spec_decode.post_update import spec_post_update
+from runner_v2.spec_decode.spec_batch import SpecDecodeBatch
+from runner_v2.spec_decode.speculator import V2Speculator
 from runner_v2.states import RequestState
 from shared.attention.metadata import CommonAttentionMetadata
 from shared.contract.sampler_output import SamplerOutput
@@ -32,6 +35,7 @@ from shared.runtime.async_output import (
     AsyncModelRunnerOutput,
     PinnedOutputRing,
     fill_sampled_output,
+    fill_spec_sampled_output,
 )
 from shared.runtime.model_executor import ModelExecutor
 from shared.runtime.runner_base import RunnerSetupMixin
@@ -44,6 +48,7 @@ logger = logging.getLogger("runnerlab")
 class _ExecuteState:
     batch: InputBatch
     hidden_states: torch.Tensor
+    spec: SpecDecodeBatch | None = None  # this step verifies drafts
 
 
 class GPUModelRunner(RunnerSetupMixin):
@@ -75,6 +80,10 @@ class GPUModelRunner(RunnerSetupMixin):
         self.max_num_tokens = T
         self.max_num_reqs = R
         self._state: _ExecuteState | None = None
+        self.speculator = (
+            None if config.speculative_config is None
+            else V2Speculator(config, device, R, vocab)
+        )
 
     # ---- runner protocol: set-up (load_model, KV sizing: RunnerSetupMixin) ----------
     def capture_model(self) -> None:
@@ -95,6 +104,7 @@ class GPUModelRunner(RunnerSetupMixin):
                 self._state = None
                 return None
             batch, desc = self._prepare_batch(so)
+            spec = None if self.speculator is None else self.speculator.spec_batch(batch, so)
             attn_metadata = None
             if desc is None or desc.mode == "PIECEWISE":  # FULL builds it inside the graph
                 attn_metadata = self.executor.build_attn_metadata(self._common_metadata(batch))
@@ -108,7 +118,7 @@ class GPUModelRunner(RunnerSetupMixin):
                 hidden = self.cudagraph_manager.run_fullgraph(desc)
             else:
                 hidden = self.cudagraph_manager.run_piecewise(desc, attn_metadata)
-        self._state = _ExecuteState(batch, hidden)
+        self._state = _ExecuteState(batch, hidden, spec)
         return None
 
     def sample_tokens(self, grammar_output: Any = None) -> AsyncModelRunnerOutput | ModelRunnerOutput:
@@ -117,6 +127,8 @@ class GPUModelRunner(RunnerSetupMixin):
             return ModelRunnerOutput.empty()
         batch = state.batch
         n = batch.num_reqs
+        if state.spec is not None:
+            return self._sample_spec(state)
         with self.timer.stage("sample"):
             hidden = state.hidden_states.index_select(0, batch.logits_indices)
             logits = self.executor.compute_logits(hidden)
@@ -131,7 +143,8 @@ class GPUModelRunner(RunnerSetupMixin):
         with self.timer.stage("postprocess"):
             # Output set-up counts here, as V1's bookkeeping does. The D2H copy starts
             # first, on a side stream: it overlaps post_update below.
-            async_output = self._make_async_output(batch, out, flags.num_logprobs)
+            is_sampled = self._is_sampled(batch)
+            async_output = self._make_async_output(batch, out, flags.num_logprobs, is_sampled)
             post_update(
                 batch.idx_mapping, n, out.sampled_token_ids, batch.seq_lens, batch.query_start_loc,
                 self.req_states, self.sampling_states.output_bin_counts,
@@ -140,7 +153,65 @@ class GPUModelRunner(RunnerSetupMixin):
             self.req_states.num_computed_tokens_np[batch.idx_mapping_np] += (
                 batch.num_scheduled_tokens_np
             )
+            self._propose(batch, is_sampled)
         return async_output
+
+    # ---- speculative decoding -------------------------------------------------------------
+    def _sample_spec(self, state: _ExecuteState) -> AsyncModelRunnerOutput:
+        """A step with drafts: every logit row of the drafted rows, rejection sampling,
+        the accepted runs folded into the state table on the device."""
+        batch, sb = state.batch, state.spec
+        n = batch.num_reqs
+        all_greedy = not (self.sampling_states.temperature_np[batch.idx_mapping_np] != 0).any()
+        with self.timer.stage("sample"):
+            logits = self.executor.compute_logits(
+                state.hidden_states.index_select(0, sb.logits_indices))
+            out = self.speculator.sample(logits, batch, sb, self.sampling_states, all_greedy)
+        with self.timer.stage("postprocess"):
+            is_sampled = self._is_sampled(batch)
+            output = self._empty_output(batch)
+            tensors = {"sampled": out.output_token_ids, "num_sampled": out.num_sampled}
+            fill = functools.partial(fill_spec_sampled_output, is_sampled=is_sampled.tolist(),
+                                     num_drafts=self.speculator.k)
+            async_output = AsyncModelRunnerOutput(
+                output, tensors, fill, self.copy_stream, self.output_ring)
+            spec_post_update(
+                batch.idx_mapping, n, out.output_token_ids, out.num_sampled, sb.cu_num_logits,
+                batch.seq_lens, batch.query_start_loc, self.req_states,
+            )
+            self.req_states.num_computed_tokens_np[batch.idx_mapping_np] += (
+                batch.num_scheduled_tokens_np
+            )
+            self._propose(batch, is_sampled)
+        return async_output
+
+    def _propose(self, batch: InputBatch, is_sampled: np.ndarray) -> None:
+        """The draft model's proposals for the rows that sampled (values stay on the
+        device; the output carries -1 placeholders for the scheduler)."""
+        if self.speculator is None:
+            return
+        all_greedy = not (self.sampling_states.temperature_np[batch.idx_mapping_np] != 0).any()
+        self.speculator.propose(
+            batch, is_sampled, self.req_states, self.block_tables.block_table.gpu,
+            self.sampling_states, all_greedy,
+        )
+
+    def _is_sampled(self, batch: InputBatch) -> np.ndarray:
+        """Which rows sample, decided on the host from exact scheduler counts (call it
+        before the host mirror is advanced past this step)."""
+        idx = batch.idx_mapping_np
+        return (
+            self.req_states.num_computed_tokens_np[idx] + batch.num_scheduled_tokens_np
+            >= self.req_states.prefill_len_np[idx]
+        )
+
+    @staticmethod
+    def _empty_output(batch: InputBatch) -> ModelRunnerOutput:
+        return ModelRunnerOutput(
+            req_ids=batch.req_ids,
+            req_id_to_index={r: i for i, r in enumerate(batch.req_ids)},
+            sampled_token_ids=[],
+        )
 
     def reset_request_states(self) -> None:
         """Forget every request; model, KV cache and graphs stay. The engine calls it after
@@ -198,6 +269,7 @@ class GPUModelRunner(RunnerSetupMixin):
         batch = prepare_inputs(
             req_ids, idx_mapping_np, num_scheduled, num_reqs_padded, num_tokens_padded,
             self.req_states, self.buffers, self.block_tables,
+            self.speculator.draft_tokens if so.scheduled_spec_decode_tokens else None,
         )
         return batch, desc
 
@@ -211,28 +283,26 @@ class GPUModelRunner(RunnerSetupMixin):
 
     # ---- output -------------------------------------------------------------------------
     def _make_async_output(
-        self, batch: InputBatch, out: SamplerOutput, num_logprobs: tuple[int, ...]
+        self, batch: InputBatch, out: SamplerOutput, num_logprobs: tuple[int, ...],
+        is_sampled: np.ndarray,
     ) -> AsyncModelRunnerOutput:
-        req_ids = batch.req_ids
-        # Which rows sample, decided on the host from exact scheduler counts.
-        idx = batch.idx_mapping_np
-        is_sampled = (
-            self.req_states.num_computed_tokens_np[idx] + batch.num_scheduled_tokens_np
-            >= self.req_states.prefill_len_np[idx]
-        )
-        output = ModelRunnerOutput(
-            req_ids=req_ids,
-            req_id_to_index={r: i for i, r in enumerate(req_ids)},
-            sampled_token_ids=[],
-        )
         tensors = {
             "sampled": out.sampled_token_ids,
             "ids": out.logprob_token_ids,
             "lps": out.logprobs,
             "ranks": out.ranks,
         }
-
         fill = functools.partial(
             fill_sampled_output, is_sampled=is_sampled.tolist(), num_logprobs=num_logprobs
         )
-        return AsyncModelRunnerOutput(output, tensors, fill, self.copy_stream, self.output_ring)
+        if self.speculator is not None:  # this step proposes: placeholders for its drafts
+            fill = functools.partial(_fill_with_draft_placeholders, fill,
+                                     is_sampled=is_sampled.tolist(), num_drafts=self.speculator.k)
+        return AsyncModelRunnerOutput(
+            self._empty_output(batch), tensors, fill, self.copy_stream, self.output_ring)
+
+
+def _fill_with_draft_placeholders(fill, output: ModelRunnerOutput, host, is_sampled: list[bool],
+                                  num_drafts: int) -> None:
+    fill(output, host)
+    output.draft_token_ids = [[-1] * num_drafts if s else [] for s in is_sampled]

@@ -19,8 +19,8 @@ import torch
 
 from runner_v1.persistent_batch import PersistentBatch
 from runner_v1.sampling_metadata import SamplingMetadata
-from runner_v1.spec_decode.ngram_proposer import NgramProposer
 from runner_v1.spec_decode.metadata import SpecDecodeMetadata, ragged_arange
+from runner_v1.spec_decode.ngram_proposer import NgramProposer
 from runner_v1.spec_decode.rejection_sampler import RejectionOutput, rejection_sample
 
 
@@ -46,6 +46,16 @@ class V1Speculator:
         self.proposer = NgramProposer(
             self.k, spec_config.prompt_lookup_min, spec_config.prompt_lookup_max, max_model_len
         )
+
+    # ---- set-up (the runner's; ngram has no model and no KV) ------------------------------
+    def load_model(self) -> None:
+        pass
+
+    def kv_bytes_per_block(self) -> int:
+        return 0
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        pass
 
     # ---- before the forward -------------------------------------------------------------
     def write_drafts(

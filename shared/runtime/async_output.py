@@ -141,3 +141,15 @@ def fill_sampled_output(
         TokenLogprobs(ids[i][: 1 + k], lps[i][: 1 + k], ranks[i]) if k >= 0 and s else None
         for i, (k, s) in enumerate(zip(num_logprobs, is_sampled))
     ]
+
+
+def fill_spec_sampled_output(
+    output: ModelRunnerOutput, host: HostTensors, is_sampled: Sequence[bool],
+    num_drafts: int,
+) -> None:
+    """A speculative step's output from host copies of the rejection sampler's tensors
+    ("sampled" [n, max_k + 1], "num_sampled" [n]): each sampling row's accepted run, and
+    `num_drafts` placeholders (-1: the values stay on the device) as its next drafts."""
+    runs, counts = host["sampled"].tolist(), host["num_sampled"].tolist()
+    output.sampled_token_ids = [r[:c] if s else [] for r, c, s in zip(runs, counts, is_sampled)]
+    output.draft_token_ids = [[-1] * num_drafts if s else [] for s in is_sampled]

@@ -20,14 +20,23 @@ class RunnerSetupMixin:
     max_num_tokens: int
     max_num_reqs: int
 
+    # A runner's speculative-decoding part (or None); it may own a draft model whose KV
+    # cache shares the target's block layout (shared/runtime/draft_executor.py).
+    speculator = None
+
     def load_model(self) -> None:
         self.executor.load_model()
+        if self.speculator is not None:
+            self.speculator.load_model()
 
     def determine_num_blocks(self) -> int:
-        return self.executor.determine_num_blocks(self._profile_run)
+        extra = 0 if self.speculator is None else self.speculator.kv_bytes_per_block()
+        return self.executor.determine_num_blocks(self._profile_run, extra)
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         self.executor.initialize_kv_cache(num_blocks)
+        if self.speculator is not None:
+            self.speculator.initialize_kv_cache(num_blocks)
 
     @property
     def step_stats(self) -> StepStats:

@@ -1,0 +1,1 @@
+"""V2 speculative decoding: drafts on the device, rejection sampling in Triton."""
