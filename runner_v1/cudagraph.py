@@ -25,7 +25,6 @@ work with it (attention runs eagerly).
 from __future__ import annotations
 
 import functools
-
 from dataclasses import dataclass
 
 import numpy as np
@@ -163,7 +162,7 @@ class V1CudaGraphs:
         return capture_full_graphs(
             self.spec_sizes, functools.partial(self._fill_dummy_inputs, query_len=q),
             functools.partial(self._captured_forward, query_len=q), self.pool,
-            "%s spec verify" % self._label, query_len=q,
+            f"{self._label} spec verify", query_len=q,
         )
 
     def _captured_forward(self, size: int, common: CommonAttentionMetadata,

@@ -26,7 +26,6 @@ attend to nothing, write no KV and are never sampled.
 from __future__ import annotations
 
 import functools
-
 from typing import Any
 
 import torch
@@ -125,7 +124,7 @@ class CudaGraphManager:
         return capture_full_graphs(
             self.spec_sizes, functools.partial(self._fill_dummy_inputs, query_len=q),
             functools.partial(self._captured_forward, query_len=q), self.pool,
-            "%s spec verify" % self._label, query_len=q,
+            f"{self._label} spec verify", query_len=q,
         )
 
     def _captured_forward(self, size: int, common: CommonAttentionMetadata,
