@@ -296,7 +296,10 @@ class Scheduler:
             num_new = self._num_new_tokens(request, num_hit_tokens, step.token_budget)
             if num_new > step.token_budget:  # chunking off: the whole prefill must fit
                 break
-            new_block_ids = kv.allocate_slots(request, num_new, computed_blocks)
+            # a draft model writes its KV from the prefill's sampled token on: lookahead
+            lookahead = min(self.num_lookahead_tokens,
+                            self.max_model_len - num_hit_tokens - num_new)
+            new_block_ids = kv.allocate_slots(request, num_new + lookahead, computed_blocks)
             if new_block_ids is None:
                 if not self.running:
                     raise RuntimeError(
