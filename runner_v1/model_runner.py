@@ -100,6 +100,8 @@ class GPUModelRunner(RunnerSetupMixin):
     # ---- runner protocol: set-up (load_model, KV sizing: RunnerSetupMixin) ----------
     def capture_model(self) -> None:
         self.graphs.capture()
+        if self.speculator is not None:
+            self.speculator.capture(self.graphs.pool)
 
     # ---- runner protocol: a step ------------------------------------------------------
     @contextlib.contextmanager

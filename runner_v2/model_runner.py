@@ -95,6 +95,8 @@ class GPUModelRunner(RunnerSetupMixin):
     # ---- runner protocol: set-up (load_model, KV sizing: RunnerSetupMixin) ----------
     def capture_model(self) -> None:
         self.cudagraph_manager.capture()
+        if self.speculator is not None:
+            self.speculator.capture(self.cudagraph_manager.pool)
 
     # ---- runner protocol: a step ------------------------------------------------------
     def execute_model(self, scheduler_output: SchedulerOutput) -> None:

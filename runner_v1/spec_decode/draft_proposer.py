@@ -42,7 +42,7 @@ from runner_v1.prepare_inputs import fill_query_start_loc, gather_input_ids
 from runner_v1.sampling_metadata import SamplingMetadata
 from runner_v1.spec_decode.metadata import ragged_arange
 from shared.attention.metadata import PAD_SLOT_ID, CommonAttentionMetadata, count_leading_decodes
-from shared.runtime.draft_executor import make_draft_executor
+from shared.runtime.draft_executor import DraftForward, draft_capture_sizes, make_draft_executor
 from shared.sampling.draft_sampling import sample_draft
 
 
@@ -123,6 +123,8 @@ class V1DraftProposer:
         self.block_size = config.cache_config.block_size
         self.vocab_size = target.vocab_size
         self.executor = make_draft_executor(config, draft_model_config, self.device)
+        self.draft_forward = DraftForward(
+            self.executor, self.max_catch_up_tokens, draft_capture_sizes(config), self.device)
         self.buffers = _DraftBuffers(self.max_num_reqs, self.max_catch_up_tokens, self.k, self.device)
         self._proposals: dict[str, _Proposal] = {}
         # The host buffers are rewritten next step: the copies out of them must be done.
@@ -352,8 +354,11 @@ class V1DraftProposer:
             step, block_table, slot_mapping, self.block_size,
             query_start_loc_cpu=query_start_loc_cpu, seq_lens_cpu=seq_lens_cpu,
         )
-        attn_metadata = self.executor.build_attn_metadata(common)
-        return self.executor.forward(input_ids, positions, attn_metadata, step.num_tokens)
+        return self.draft_forward(input_ids, positions, slot_mapping, common)
+
+    def capture(self, pool) -> None:
+        """The draft model's piecewise graphs (after the target's, in its pool)."""
+        self.draft_forward.capture(pool)
 
 
 def fill_slots(

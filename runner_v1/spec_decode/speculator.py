@@ -63,6 +63,10 @@ class V1Speculator:
         if self.draft is not None:
             self.draft.initialize_kv_cache(num_blocks)
 
+    def capture(self, pool) -> None:
+        if self.draft is not None:
+            self.draft.capture(pool)
+
     # ---- request lifecycle ------------------------------------------------------------------
     def remove(self, req_id: str) -> None:
         """A finished or preempted request: forget its proposals (draft q rows)."""

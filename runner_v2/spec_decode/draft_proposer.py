@@ -26,6 +26,7 @@ from runner_v2.input_batch import InputBatch
 from runner_v2.sample.states import SamplingStates
 from runner_v2.states import RequestState
 from shared.attention.metadata import PAD_SLOT_ID, CommonAttentionMetadata, count_leading_decodes
+from shared.runtime.draft_executor import DraftForward
 from shared.runtime.model_executor import ModelExecutor
 from shared.runtime.triton_utils import tl, triton
 from shared.sampling.draft_sampling import sample_draft
@@ -94,8 +95,10 @@ def _decode_inputs_kernel(
 
 class V2DraftProposer:
     def __init__(self, executor: ModelExecutor, k: int, max_model_len: int, block_size: int,
-                 needs_host_seq_lens: bool, device: torch.device) -> None:
+                 needs_host_seq_lens: bool, device: torch.device, max_num_tokens: int,
+                 capture_sizes: list[int]) -> None:
         self.executor = executor
+        self.draft_forward = DraftForward(executor, max_num_tokens, capture_sizes, device)
         self.k = k
         self.max_model_len = max_model_len
         self.block_size = block_size
@@ -175,7 +178,7 @@ class V2DraftProposer:
             seq_lens_cpu=seq_lens_cpu,
         )
         self._max_seq_len = min(self.max_model_len, int(seq_lens_np.max()) + self.k)
-        hidden = self.executor.forward(ids, positions, self.executor.build_attn_metadata(md), total)
+        hidden = self.draft_forward(ids, positions, slots, md)
         return hidden, last_idx, positions
 
     def _decode_forward(self, rows, prev_pos, tokens, tables, block_table, n: int):
@@ -197,5 +200,5 @@ class V2DraftProposer:
             query_start_loc_cpu=torch.from_numpy(qsl_np),
             seq_lens_cpu=seq_lens.cpu() if self.needs_host_seq_lens else None,
         )
-        hidden = self.executor.forward(ids, positions, self.executor.build_attn_metadata(md), n)
-        return hidden, positions
+        hidden = self.draft_forward(ids, positions, slots, md)
+        return hidden[:n], positions

@@ -22,6 +22,13 @@ from shared.runtime.model_executor import ModelExecutor
 from shared.runtime.piecewise_graphs import PiecewiseGraphs
 
 
+def draft_capture_sizes(config: Any) -> list[int]:
+    """Piecewise graph sizes for the draft: the engine's capture sizes whenever CUDA graphs
+    are on at all (the draft's forwards are small and many: graphs pay off most there)."""
+    cc = config.compilation_config
+    return [] if cc.cudagraph_mode == "NONE" else list(cc.cudagraph_capture_sizes)
+
+
 def make_draft_executor(config: Any, draft_model_config: Any, device: torch.device) -> ModelExecutor:
     """A ModelExecutor for the draft model: the engine's configuration with the draft's
     model config (dtype, attention backend, block size, limits and seed carry over)."""
