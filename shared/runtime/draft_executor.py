@@ -31,8 +31,13 @@ def draft_capture_sizes(config: Any) -> list[int]:
 
 def make_draft_executor(config: Any, draft_model_config: Any, device: torch.device) -> ModelExecutor:
     """A ModelExecutor for the draft model: the engine's configuration with the draft's
-    model config (dtype, attention backend, block size, limits and seed carry over)."""
-    draft_config = dataclasses.replace(config, model_config=draft_model_config)
+    model config and weight source (dtype, attention backend, block size, limits and seed
+    carry over: a random-weights draft is seeded like the target)."""
+    spec = config.speculative_config
+    source = getattr(spec, "draft_weight_source", None) or config.load_config.weight_source
+    load_config = config.load_config.model_copy(update={"weight_source": source})
+    draft_config = dataclasses.replace(
+        config, model_config=draft_model_config, load_config=load_config)
     return ModelExecutor(draft_config, device)
 
 

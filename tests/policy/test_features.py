@@ -270,35 +270,103 @@ def _run_async_scheduling(runner: str):
     assert tokens == sync and in_flight > 0
 
 
+# ---- speculative decoding: greedy equals the plain engine; the rest against each other
+SPEC = dict(model="tiny-llama", dtype="float64")
+# prompts that repeat themselves, so the ngram proposer finds matches
+SPEC_PROMPTS = [[5, 6, 7, 8] * 3, [9, 10, 9, 10, 9], [11, 12, 13, 11, 12, 13, 11]]
+
+
+def _spec_generate(engine, sampled: bool):
+    from shared.contract.sampling_params import SamplingParams
+
+    for i, prompt in enumerate(SPEC_PROMPTS):
+        engine.add_request(f"s{i}", prompt, SamplingParams(
+            max_tokens=8, temperature=0.8 if sampled else 0.0, seed=i, ignore_eos=True))
+    tokens = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            tokens[out.request_id] = out.outputs[0].token_ids
+    return tokens, engine.spec_decode_stats
+
+
+@functools.cache
+def _spec_run(runner: str, spec_json: str, sampled: bool):
+    import json
+
+    spec = json.loads(spec_json)
+    engine = _engine(model_runner=runner, **SPEC,
+                     **({} if spec is None else {"speculative_config": spec}))
+    return _spec_generate(engine, sampled)
+
+
+def _spec(runner: str, sampled: bool = False, **spec):
+    import json
+
+    return _spec_run(runner, json.dumps(spec, sort_keys=True), sampled)
+
+
+NGRAM = dict(method="ngram", num_speculative_tokens=2, prompt_lookup_min=1, prompt_lookup_max=2)
+SELF_DRAFT = dict(method="draft_model", model="tiny-llama", num_speculative_tokens=2)
+WEAK_DRAFT = dict(method="draft_model", model="tiny-llama-draft", num_speculative_tokens=2)
+
+
+def _plain(sampled: bool = False):
+    return _spec_run("v1", "null", sampled)[0]
+
+
+def _run_ngram(monkeypatch):
+    tokens, stats = _spec("v1", **NGRAM)
+    assert tokens == _plain() and 0 < stats.num_accepted_tokens
+
+
+def _run_draft_model(runner: str):
+    def run(monkeypatch):
+        tokens, stats = _spec(runner, **SELF_DRAFT)  # the target's own weights: accepted
+        assert tokens == _plain() and stats.acceptance_rate > 0.8
+    return run
+
+
+def _run_standard(runner: str):
+    def run(monkeypatch):
+        other = "v2" if runner == "v1" else "v1"
+        tokens, stats = _spec(runner, sampled=True, **WEAK_DRAFT)
+        assert tokens == _spec(other, sampled=True, **WEAK_DRAFT)[0] and stats.num_drafts > 0
+        assert _spec(runner, **WEAK_DRAFT)[0] == _plain()  # greedy: exact match
+    return run
+
+
+def _run_synthetic(runner: str):
+    def run(monkeypatch):
+        # accepted regardless of the drafts: all at rate 1, none at rate 0
+        for rates, accepted in (([1.0, 1.0], 1.0), ([0.0, 0.0], 0.0)):
+            _, stats = _spec(runner, **WEAK_DRAFT, rejection_sample_method="synthetic",
+                             synthetic_acceptance_rates=rates)
+            assert stats.num_draft_tokens > 0 and stats.acceptance_rate == accepted
+    return run
+
+
+def _run_block(monkeypatch):
+    assert _spec("v2", **WEAK_DRAFT, rejection_sample_method="block")[0] == _plain()
+    _, stats = _spec("v2", sampled=True, **SELF_DRAFT, rejection_sample_method="block")
+    assert stats.acceptance_rate > 0.5  # the target's own q: block accepts nearly all
+
+
 RUNS = {
     **{("cudagraph_mode='PIECEWISE'", r): _run_piecewise(r) for r in ("v1", "v2")},
     **{("cudagraph_mode='FULL_AND_PIECEWISE'", r): _run_full_and_piecewise(r) for r in ("v1", "v2")},
     ("async scheduling", "v1"): lambda monkeypatch: _run_async_scheduling("v1"),
     ("async scheduling", "v2"): lambda monkeypatch: _run_async_scheduling("v2"),
+    ("ngram speculative decoding", "v1"): _run_ngram,
+    **{("draft_model speculative decoding", r): _run_draft_model(r) for r in ("v1", "v2")},
+    **{("rejection_sample_method='standard'", r): _run_standard(r) for r in ("v1", "v2")},
+    **{("rejection_sample_method='synthetic'", r): _run_synthetic(r) for r in ("v1", "v2")},
+    ("rejection_sample_method='block'", "v2"): _run_block,
 }
 SUPPORTED_PAIRS = [(f.label, r) for f in FEATURES for r in ("v1", "v2") if f.status(r) == SUPPORTED]
-# The table states DESIGN.md section 10's target for speculative decoding before the runners
-# implement it (issue 22: the config and policy land first). Each pair leaves this set
-# when its runner lands, with a run above that checks it against an oracle.
-PENDING_RUNS = {
-    ("ngram speculative decoding", "v1"),
-    ("draft_model speculative decoding", "v1"),
-    ("draft_model speculative decoding", "v2"),
-    ("rejection_sample_method='standard'", "v1"),
-    ("rejection_sample_method='standard'", "v2"),
-    ("rejection_sample_method='synthetic'", "v1"),
-    ("rejection_sample_method='synthetic'", "v2"),
-    ("rejection_sample_method='block'", "v2"),
-}
-
-
 def test_every_supported_feature_has_a_run():
-    assert not set(RUNS) & PENDING_RUNS
-    assert sorted(set(RUNS) | PENDING_RUNS) == sorted(SUPPORTED_PAIRS)
+    assert sorted(RUNS) == sorted(SUPPORTED_PAIRS)
 
 
 @pytest.mark.parametrize("label, runner", SUPPORTED_PAIRS)
 def test_supported_feature_runs_on_cpu(label, runner, monkeypatch):
-    if (label, runner) in PENDING_RUNS:
-        pytest.skip(f"{runner} does not implement {label} yet (issue 22's runner sessions)")
     RUNS[(label, runner)](monkeypatch)
