@@ -47,8 +47,11 @@ def build(device: str, spec: dict | None, max_num_seqs: int):
 
 def chat_ids(engine, text: str) -> list[int]:
     tok = engine.tokenizer
-    return tok.apply_chat_template([{"role": "user", "content": text}], tokenize=True,
-                                   add_generation_prompt=True)
+    ids = tok.apply_chat_template([{"role": "user", "content": text}], tokenize=True,
+                                  add_generation_prompt=True)
+    if isinstance(ids, dict) or hasattr(ids, "keys"):  # transformers 5: a BatchEncoding
+        ids = ids["input_ids"]
+    return [int(t) for t in ids]
 
 
 def run(engine, max_tokens: int) -> tuple[dict, dict]:

@@ -196,3 +196,23 @@ def test_refused_params_fail_alone(setup, bad):
     done = [o for o in outputs if o.finished]
     assert [o.request_id for o in done] == ["ok"] and len(done[0].outputs[0].token_ids) == 6
     assert done[0].spec_decode_stats is not None
+
+
+@pytest.mark.parametrize("config", ["v1-ngram-k3", "v2-self-k3", "v2-weak-k2"])
+def test_greedy_spec_decode_equals_transformers(llama_dir, config):
+    """Directly against Hugging Face generate() (the plain engine's own oracle)."""
+    from shared.harness.hf_reference import HFGreedy
+    from shared.serving.llm import LLM
+
+    rng = random.Random(3)
+    prompts = [[rng.randrange(3, VOCAB) for _ in range(n)] for n in (2, 7, 12)]
+    prompts.append([7, 8, 9] * 4)  # a repetitive one: ngram drafts from it
+    hf = HFGreedy(llama_dir, "float64", "cpu")
+    expected = [hf.generate(p, 16)[0] for p in prompts]
+    runner, spec = spec_kwargs(config, llama_dir)
+    llm = LLM(model=llama_dir, dtype="float64", device="cpu", seed=0, model_runner=runner,
+              enable_prefix_caching=False, speculative_config=spec)
+    outs = llm.generate(prompts, SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True),
+                        use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == expected
+    assert llm.engine.spec_decode_stats.num_draft_tokens > 0
