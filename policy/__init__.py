@@ -21,6 +21,7 @@ from policy.config import (  # noqa: E402
     ParallelConfig,
     SchedulerConfig,
     SpeculativeConfig,
+    SpeculativeSettings,
 )
 from policy.engine_args import EngineArgs, add_engine_args, engine_args_from_namespace  # noqa: E402
 from policy.envs import EnvVarError  # noqa: E402
@@ -51,6 +52,7 @@ __all__ = [
     "RunnerSelectionError",
     "SchedulerConfig",
     "SpeculativeConfig",
+    "SpeculativeSettings",
     "add_engine_args",
     "decide_runner",
     "engine_args_from_namespace",

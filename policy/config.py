@@ -16,9 +16,11 @@ from pydantic import BaseModel, ConfigDict, TypeAdapter
 from pydantic.dataclasses import dataclass
 
 from policy import features as feature_table
+from policy.errors import field_error as _fail
 from policy.kernel_options import KernelOptions
-from policy.model_config import ModelConfig
+from policy.model_config import ModelConfig, WeightSource
 from policy.selection import RunnerDecision
+from policy.speculative import SpeculativeConfig, SpeculativeSettings  # noqa: F401 (re-export)
 
 CudaGraphMode = Literal["NONE", "PIECEWISE", "FULL", "FULL_AND_PIECEWISE"]
 _FROZEN = ConfigDict(frozen=True)
@@ -41,9 +43,8 @@ class LoadConfig(BaseModel):
     model_config = _FROZEN
     load_format: Literal["auto", "dummy"]
     seed: int
-    # Where the weights come from, resolved: "random" (seeded init: tiny presets or
-    # load_format="dummy"), "gguf" (smollm2-135m), "safetensors" (a model directory).
-    weight_source: Literal["random", "gguf", "safetensors"]
+    # Where the weights come from, resolved (policy.model_config.WeightSource).
+    weight_source: WeightSource
 
 
 class CacheConfig(BaseModel):
@@ -83,15 +84,6 @@ class ParallelConfig(BaseModel):
     pipeline_parallel_size: int = 1
 
 
-class SpeculativeConfig(BaseModel):
-    """Accepted so the gate can refuse it by name; neither runner implements it yet."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-    method: str
-    num_speculative_tokens: int = 1
-    rejection_sample_method: Literal["strict", "synthetic", "block"] = "strict"
-
-
 @dataclass(frozen=True, config=ConfigDict(arbitrary_types_allowed=True))
 class EngineConfig:
     """Everything an engine needs, validated once. A pydantic *dataclass* rather than a
@@ -108,7 +100,9 @@ class EngineConfig:
     attention_backend: Literal["TORCH", "TRITON", "FLASH_ATTN", "NULL"]
     attention_backend_source: Literal["argument", "env", "auto"]
     runner_decision: RunnerDecision
-    speculative_config: SpeculativeConfig | None = None
+    # Resolved against the target: the draft's ModelConfig is
+    # speculative_config.draft_model_config (method="draft_model").
+    speculative_config: SpeculativeSettings | None = None
     kernel_options: KernelOptions = field(default_factory=KernelOptions)
     logits_processors: list[str] = field(default_factory=list)
     pooling_task: str | None = None
@@ -139,11 +133,6 @@ class EngineConfig:
 
 
 # ---------------------------------------------------------------- resolution + checks
-
-
-def _fail(field: str, value: Any, accepted: str, why: str = "") -> ValueError:
-    why = f" ({why})" if why else ""
-    return ValueError(f"{field}={value!r} is not valid{why}; accepted: {accepted}")
 
 
 def resolve_device(device: str, *, check_available: bool = True) -> str:

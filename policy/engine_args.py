@@ -33,9 +33,15 @@ from policy.config import (
     resolve_scheduler,
 )
 from policy.kernel_options import KernelOptions
-from policy.model_config import RUNNERLAB_ARCHITECTURES, ModelConfig, build_model_config
+from policy.model_config import (
+    RUNNERLAB_ARCHITECTURES,
+    ModelConfig,
+    build_model_config,
+    weight_source,
+)
 from policy.presets import gguf_install_hint
 from policy.selection import decide_runner
+from policy.speculative import SpeculativeSettings, resolve_speculative
 
 logger = logging.getLogger("runnerlab")
 
@@ -77,10 +83,13 @@ class EngineArgs(BaseModel):
                             "tokens are meaningless")
     tensor_parallel_size: int = Field(1, description="only 1 is supported")
     pipeline_parallel_size: int = Field(1, description="only 1 is supported")
-    # Feature fields the selection gate reads; none is implemented by a runner yet, so each
-    # is refused by name rather than ignored (see policy.features).
+    # Feature fields the selection gate reads: each is honoured by the runners the feature
+    # table (policy.features) names and refused by name by the others, never ignored.
     speculative_config: SpeculativeConfig | None = Field(
-        None, description='JSON, e.g. {"method": "eagle", "rejection_sample_method": "block"}')
+        None, description='JSON, e.g. {"method": "ngram", "num_speculative_tokens": 3} or '
+                          '{"method": "draft_model", "model": "tiny-llama-draft", '
+                          '"num_speculative_tokens": 2, "rejection_sample_method": "block"} '
+                          "(policy/speculative.py)")
     logits_processors: list[str] = Field(
         default_factory=list, description="qualified names of custom logits processors")
     pooling_task: Literal["embed", "classify", "score", "token_embed", "token_classify"] | None = (
@@ -123,6 +132,8 @@ class EngineArgs(BaseModel):
                                       self.max_num_batched_tokens, self.enable_chunked_prefill,
                                       self.async_scheduling)
         parallel = resolve_parallel(self.tensor_parallel_size, self.pipeline_parallel_size)
+        speculative = resolve_speculative(self.speculative_config, model, device,
+                                          self.load_format)
         decision = decide_runner(
             model, feature_table.requested_features(self), model_runner=self.model_runner,
             env_use_v2=env_use_v2, device=device, strict=strict,
@@ -132,8 +143,8 @@ class EngineArgs(BaseModel):
         backend, backend_source = resolve_attention_backend(self.attention_backend, env_backend,
                                                             device)
         load = LoadConfig(load_format=self.load_format, seed=self.seed,
-                          weight_source=_weight_source(model, self.load_format))
-        blockers += run_blockers(model, load, backend)
+                          weight_source=weight_source(model, self.load_format))
+        blockers += run_blockers(model, load, backend) + _draft_blockers(speculative, load)
         if strict and blockers:
             raise ValueError("; ".join(blockers))
         config = EngineConfig(
@@ -141,7 +152,7 @@ class EngineArgs(BaseModel):
             compilation_config=compilation, parallel_config=parallel, load_config=load,
             device_config={"device": device}, attention_backend=backend,
             attention_backend_source=backend_source, runner_decision=decision,
-            speculative_config=self.speculative_config,
+            speculative_config=speculative,
             kernel_options=self._kernel_options(),
             logits_processors=list(self.logits_processors), pooling_task=self.pooling_task,
             enable_prompt_embeds=self.enable_prompt_embeds,
@@ -155,42 +166,51 @@ class EngineArgs(BaseModel):
         return self.kernel_options
 
 
-def _weight_source(model: ModelConfig, load_format: str) -> str:
-    if load_format == "dummy" or model.preset_kind in ("random", "shape-only"):
-        return "random"
-    return "gguf" if model.preset_kind == "gguf" else "safetensors"
-
-
 def run_blockers(model: ModelConfig, load: LoadConfig, attention_backend: str) -> list[str]:
     """Everything that stops a run but not an explanation, each naming the field to change."""
-    out: list[str] = []
-    if not model.supported_by_runnerlab:
-        out.append(
-            f"model={model.model!r}: runnerlab implements neither runner for "
-            f"{model.architecture} (implemented: {', '.join(sorted(RUNNERLAB_ARCHITECTURES))}); "
-            f"`python -m policy explain --model {model.model}` still judges it")
-    if model.is_shape_only and load.load_format == "auto":
-        out.append(
-            f"load_format='auto' is not valid for the shape-only preset {model.preset!r} (it "
-            'ships no weights); accepted: load_format="dummy" (seeded random weights; '
-            '--load-format dummy on the command line)')
-    if load.weight_source == "gguf" and model.gguf_path is None:
-        out.append(
-            f"model={model.model!r} needs its GGUF weights: {gguf_install_hint(model.preset)}, "
-            'or load_format="dummy" for random weights')
-    if load.weight_source == "safetensors" and model.model_dir is not None:
-        from pathlib import Path
-
-        if not any(Path(model.model_dir).glob("*.safetensors")):
-            out.append(
-                f"model={model.model!r}: no *.safetensors in {model.model_dir} (weights are never "
-                'unpickled); accepted: load_format="dummy" for random weights')
+    out = weight_blockers(model, load.load_format, load.weight_source)
     if attention_backend == "FLASH_ATTN":
         from importlib.util import find_spec
 
         if find_spec("flash_attn") is None:
             out.append("attention_backend='FLASH_ATTN' needs the flash_attn package, which is not "
                        "importable here; accepted: 'auto', 'TORCH', 'TRITON'")
+    return out
+
+
+def _draft_blockers(speculative: SpeculativeSettings | None, load: LoadConfig) -> list[str]:
+    """The draft's weights are loaded under the same load_format as the target's."""
+    if speculative is None or speculative.draft_model_config is None:
+        return []
+    draft = speculative.draft_model_config
+    return [f"speculative_config.model={draft.model!r} (the draft): {b}"
+            for b in weight_blockers(draft, load.load_format, speculative.draft_weight_source)]
+
+
+def weight_blockers(model: ModelConfig, load_format: str, source: str) -> list[str]:
+    """What stops a model's weights from loading (and an architecture nobody implements)."""
+    out: list[str] = []
+    if not model.supported_by_runnerlab:
+        out.append(
+            f"model={model.model!r}: runnerlab implements neither runner for "
+            f"{model.architecture} (implemented: {', '.join(sorted(RUNNERLAB_ARCHITECTURES))}); "
+            f"`python -m policy explain --model {model.model}` still judges it")
+    if model.is_shape_only and load_format == "auto":
+        out.append(
+            f"load_format='auto' is not valid for the shape-only preset {model.preset!r} (it "
+            'ships no weights); accepted: load_format="dummy" (seeded random weights; '
+            '--load-format dummy on the command line)')
+    if source == "gguf" and model.gguf_path is None:
+        out.append(
+            f"model={model.model!r} needs its GGUF weights: {gguf_install_hint(model.preset)}, "
+            'or load_format="dummy" for random weights')
+    if source == "safetensors" and model.model_dir is not None:
+        from pathlib import Path
+
+        if not any(Path(model.model_dir).glob("*.safetensors")):
+            out.append(
+                f"model={model.model!r}: no *.safetensors in {model.model_dir} (weights are never "
+                'unpickled); accepted: load_format="dummy" for random weights')
     return out
 
 

@@ -2,7 +2,10 @@
 
 Works for presets and for any directory or file holding a config.json, including
 architectures neither runner implements (it says so). Prints text, or JSON with --json
-(the RunnerDecision fields at the top level, plus "model", "config", "run_blockers", "env").
+(the RunnerDecision fields at the top level, plus "model", "config", "speculative_config"
+(null, or the resolved settings with the draft's model traits), "run_blockers", "env").
+The speculative-decoding rows of the feature table a config asks for are among its
+"requested_features", so the decision names them.
 Nothing is logged: the explanation is the output (on stdout).
 
 Exit status: 0 explained; 1 explained, but the decision itself is an error (a forced
@@ -60,9 +63,33 @@ def explain_report(config: EngineConfig, blockers: list[str]) -> dict[str, Any]:
         "load_format": config.load_config.load_format,
         "weight_source": config.load_config.weight_source,
     }
+    spec = config.speculative_config
+    report["speculative_config"] = None if spec is None else _speculative_report(spec)
     report["run_blockers"] = blockers
     report["env"] = envs.describe()
     return report
+
+
+def _speculative_report(spec: Any) -> dict[str, Any]:
+    out = spec.model_dump(mode="json", exclude={"draft_model_config"})
+    draft = spec.draft_model_config
+    out["draft_model"] = None if draft is None else draft.summary()
+    return out
+
+
+def _speculative_line(spec: dict[str, Any]) -> str:
+    words = [f"method {spec['method']}", f"{spec['num_speculative_tokens']} tokens per step",
+             f"rejection {spec['rejection_sample_method']}"]
+    if spec["method"] == "ngram":
+        words.append(f"n-grams {spec['prompt_lookup_min']}..{spec['prompt_lookup_max']}")
+    if spec["synthetic_acceptance_rates"] is not None:
+        words.append(f"acceptance rates {spec['synthetic_acceptance_rates']}")
+    line = "Speculative decoding: " + ", ".join(words)
+    draft = spec["draft_model"]
+    if draft is not None:
+        line += (f"\n  draft: {draft['model']} ({draft['architecture']}, weights "
+                 f"{spec['draft_weight_source']}); dims: {_dims(draft)}")
+    return line
 
 
 def _traits(model: dict[str, Any]) -> str:
@@ -111,6 +138,8 @@ def format_text(report: dict[str, Any]) -> str:
         f"  dims: {_dims(model)}",
         "Config: " + ", ".join(f"{k} {v}" for k, v in cfg.items() if k != "cudagraph_capture_sizes"),
     ]
+    if report["speculative_config"] is not None:
+        lines.append(_speculative_line(report["speculative_config"]))
     if report["run_blockers"]:
         lines.append("Would not run as configured:")
         lines += [f"  - {b}" for b in report["run_blockers"]]

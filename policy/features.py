@@ -37,21 +37,40 @@ class Feature:
         return self.v2 == SUPPORTED and self.v1 != SUPPORTED
 
 
-def _spec_method(s: dict[str, Any], name: str) -> bool:
+def _spec(s: dict[str, Any], name: str, value: str) -> bool:
     spec = s["speculative_config"]
-    return spec is not None and _get(spec, "rejection_sample_method") == name
+    return spec is not None and _get(spec, name) == value
 
 
 FEATURES: tuple[Feature, ...] = (
+    # Speculative decoding: one row per method and per rejection rule, so that a runner
+    # can honour one method and not the other. The ngram + block pair has no runner (ngram
+    # is V1-only, block V2-only): decide_runner refuses it whatever the source.
     Feature(
-        "speculative decoding", UNSUPPORTED, UNSUPPORTED, "speculative_config=None",
-        lambda s: s["speculative_config"] is not None,
-        "V2 supports eagle/eagle3/mtp/dflash; ngram only on V1",
+        "ngram speculative decoding", SUPPORTED, UNSUPPORTED, "speculative_config=None",
+        lambda s: _spec(s, "method", "ngram"),
+        "V1 only (prompt lookup on the host, NumPy); V2 has no ngram proposer",
     ),
     Feature(
-        "rejection_sample_method='block'", UNSUPPORTED, UNSUPPORTED,
-        "rejection_sample_method='strict'",
-        lambda s: _spec_method(s, "block"),
+        "draft_model speculative decoding", SUPPORTED, SUPPORTED, "speculative_config=None",
+        lambda s: _spec(s, "method", "draft_model"),
+        "V1; V2 in progress upstream (here the drafts stay on the device in V2)",
+    ),
+    Feature(
+        "rejection_sample_method='standard'", SUPPORTED, SUPPORTED, "speculative_config=None",
+        lambda s: _spec(s, "rejection_sample_method", "standard"),
+        "both",
+    ),
+    Feature(
+        "rejection_sample_method='synthetic'", SUPPORTED, SUPPORTED,
+        "rejection_sample_method='standard'",
+        lambda s: _spec(s, "rejection_sample_method", "synthetic"),
+        "both (benchmarking: each draft position accepted at a fixed rate)",
+    ),
+    Feature(
+        "rejection_sample_method='block'", UNSUPPORTED, SUPPORTED,
+        "rejection_sample_method='standard'",
+        lambda s: _spec(s, "rejection_sample_method", "block"),
         "V2 only; V1 accepts it and silently never reads it",
     ),
     Feature(

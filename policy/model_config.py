@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -41,6 +41,10 @@ HYBRID_MODEL_TYPES = frozenset({
 _NON_ATTENTION_LAYER_WORDS = ("mamba", "linear", "ssm", "conv", "recurrent", "rwkv", "delta")
 
 DTYPE_NAMES = ("float32", "float64", "bfloat16", "float16")
+
+# Where the weights come from, resolved: "random" (seeded init: tiny presets or
+# load_format="dummy"), "gguf" (smollm2-135m), "safetensors" (a model directory).
+WeightSource = Literal["random", "gguf", "safetensors"]
 
 
 class ModelConfig(BaseModel):
@@ -290,3 +294,10 @@ def build_model_config(model: str, dtype: str, device: str, max_model_len: int |
         hf_config=hf_config,
         **traits,
     )
+
+
+def weight_source(model: ModelConfig, load_format: str) -> WeightSource:
+    """Where this model's weights come from under load_format (the target's and a draft's)."""
+    if load_format == "dummy" or model.preset_kind in ("random", "shape-only"):
+        return "random"
+    return "gguf" if model.preset_kind == "gguf" else "safetensors"

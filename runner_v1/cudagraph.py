@@ -24,6 +24,7 @@ work with it (attention runs eagerly).
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -84,6 +85,8 @@ class V1CudaGraphs:
         sizes = graph_sizes(config, device.type == "cuda", executor.backend, "V1")
         self.capture_sizes, self.piecewise_sizes = sizes.full_sizes, sizes.piecewise_sizes
         self.full_enabled, self.piecewise_enabled = sizes.full_enabled, sizes.piecewise_enabled
+        # FULL graphs of uniform speculative verifies (1 + k tokens per request)
+        self.spec_sizes, self.spec_query_len = list(sizes.spec_full_sizes), sizes.spec_query_len
         self.enabled = self.full_enabled or self.piecewise_enabled
         self.device = device
         self.executor = executor
@@ -93,6 +96,7 @@ class V1CudaGraphs:
         self.pool = None  # the one memory pool of every graph, FULL and PIECEWISE
         self.captured = False  # dispatch picks graphs only once they exist
         self.max_model_len = config.scheduler_config.max_model_len
+        self._label = "V1"
 
     # ---- dispatch -----------------------------------------------------------------------
     def dispatch(self, num_scheduled: np.ndarray) -> StepPlan:
@@ -107,6 +111,7 @@ class V1CudaGraphs:
                 num_reqs, num_tokens, int(num_scheduled.max()),
                 self.capture_sizes if self.full_enabled else [],
                 self.piecewise_sizes if self.piecewise_enabled else [],
+                self.spec_sizes, self.spec_query_len,
             )
         if desc is None:
             return StepPlan("NONE", num_tokens, num_reqs, None)
@@ -142,28 +147,41 @@ class V1CudaGraphs:
                 self.capture_sizes, self._fill_dummy_inputs, self._captured_forward,
                 self.pool, "V1",
             )
+            self.wrapper.graphs.update(self._capture_spec_graphs())
         if piecewise is not None:
             piecewise.capture(self.pool, "V1")
         # From now on the executor's model call goes through the wrapper.
         self.executor.model_call = self.wrapper
         self.captured = True
 
-    def _captured_forward(self, size: int, common: CommonAttentionMetadata) -> torch.Tensor:
+    def _capture_spec_graphs(self) -> FullGraphs:
+        """FULL graphs of uniform speculative verifies: size requests x (1 + k) tokens."""
+        if not self.spec_sizes:
+            return {}
+        q = self.spec_query_len
+        return capture_full_graphs(
+            self.spec_sizes, functools.partial(self._fill_dummy_inputs, query_len=q),
+            functools.partial(self._captured_forward, query_len=q), self.pool,
+            f"{self._label} spec verify", query_len=q,
+        )
+
+    def _captured_forward(self, size: int, common: CommonAttentionMetadata,
+                          query_len: int = 1) -> torch.Tensor:
         """A uniform decode of `size` rows over the persistent buffers. Only this part is
         captured (metadata build + forward): the buffer set-up stays OUTSIDE the graph,
         or every replay would reset the step's real inputs to the dummy batch."""
         attn_metadata = self.executor.build_attn_metadata(common)
-        b = self.buffers
+        b, n = self.buffers, size * query_len
         return self.executor.forward(
-            b.input_ids.gpu[:size], b.positions.gpu[:size], attn_metadata, size,
+            b.input_ids.gpu[:n], b.positions.gpu[:n], attn_metadata, n,
             cudagraph_mode="FULL", batch_descriptor=None,  # None: run, do not replay
         )
 
-    def _fill_dummy_inputs(self, size: int) -> CommonAttentionMetadata:
+    def _fill_dummy_inputs(self, size: int, query_len: int = 1) -> CommonAttentionMetadata:
         """Called before (not inside) each capture; see fill_dummy_decode."""
         b, table = self.buffers, self.persistent_batch.block_table
         return fill_dummy_decode(
             size, b.input_ids.gpu, b.positions.gpu, b.query_start_loc.gpu, b.seq_lens.gpu,
             table.block_table.gpu, table.slot_mapping.gpu, self.max_model_len,
-            self.executor.block_size,
+            self.executor.block_size, query_len,
         )

@@ -94,12 +94,14 @@ class GPUModelRunner(RunnerSetupMixin):
         self.output_ring = PinnedOutputRing()
         spec = config.speculative_config
         self.speculator = (
-            None if spec is None else V1Speculator(spec, sc.max_model_len, device)
+            None if spec is None else V1Speculator(config, device)
         )
 
     # ---- runner protocol: set-up (load_model, KV sizing: RunnerSetupMixin) ----------
     def capture_model(self) -> None:
         self.graphs.capture()
+        if self.speculator is not None:
+            self.speculator.capture(self.graphs.pool)
 
     # ---- runner protocol: a step ------------------------------------------------------
     @contextlib.contextmanager
@@ -197,7 +199,8 @@ class GPUModelRunner(RunnerSetupMixin):
         md = state.spec
         logits = self.executor.compute_logits(state.hidden_states[md.logits_indices])
         positions = state.inputs.positions[md.logits_indices]
-        return self.speculator.sample(logits, state.sampling_metadata, positions, md)
+        return self.speculator.sample(logits, state.sampling_metadata, positions, md,
+                                      state.req_ids)
 
     def _spec_bookkeeping(self, state: _ExecuteState, out: RejectionOutput) -> ModelRunnerOutput:
         """The accepted runs into the batch and the requests (synchronous: see
@@ -225,7 +228,9 @@ class GPUModelRunner(RunnerSetupMixin):
         if self.speculator is None or not isinstance(output, ModelRunnerOutput):
             return  # (async outputs never meet a speculator: the config refuses the pair)
         rows = np.flatnonzero([bool(t) for t in output.sampled_token_ids])
-        proposals = self.speculator.propose(self.persistent_batch, rows)
+        proposals = self.speculator.propose(
+            self.persistent_batch, rows, state.inputs.num_scheduled_tokens_np,
+            state.sampling_metadata)
         drafts: list[list[int]] = [[] for _ in state.req_ids]
         for row, d in zip(rows.tolist(), proposals):
             drafts[row] = d
@@ -239,6 +244,8 @@ class GPUModelRunner(RunnerSetupMixin):
         self.requests.clear()
         self.persistent_batch.clear()
         self.in_flight.clear()
+        if self.speculator is not None:
+            self.speculator.reset()
 
     # ---- the four ordered phases ------------------------------------------------------
     def _update_states(self, so: SchedulerOutput) -> None:
@@ -249,6 +256,8 @@ class GPUModelRunner(RunnerSetupMixin):
         for req_id in so.finished_req_ids | so.preempted_req_ids:
             self.requests.pop(req_id, None)
             batch.remove_request(req_id)
+            if self.speculator is not None:
+                self.speculator.remove(req_id)
         # 2. In the batch but not scheduled this step: free the row, keep the state.
         scheduled = so.num_scheduled_tokens
         for req_id in [r for r in batch.req_ids if r is not None and r not in scheduled]:

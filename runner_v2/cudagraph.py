@@ -25,6 +25,7 @@ attend to nothing, write no KV and are never sampled.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -50,11 +51,14 @@ class CudaGraphManager:
         sizes = graph_sizes(config, device.type == "cuda", executor.backend, "V2")
         self.capture_sizes, self.piecewise_sizes = sizes.full_sizes, sizes.piecewise_sizes
         self.full_enabled, self.piecewise_enabled = sizes.full_enabled, sizes.piecewise_enabled
+        # FULL graphs of uniform speculative verifies (1 + k tokens per request)
+        self.spec_sizes, self.spec_query_len = list(sizes.spec_full_sizes), sizes.spec_query_len
         self.enabled = self.full_enabled or self.piecewise_enabled
         self.executor = executor
         self.buffers = buffers
         self.block_tables = block_tables
         self.max_model_len = config.scheduler_config.max_model_len
+        self._label = "V2"
         self.graphs: FullGraphs = {}
         self.piecewise: PiecewiseGraphs | None = None  # set once captured
         self.pool = None  # the one memory pool of every graph, FULL and PIECEWISE
@@ -69,6 +73,7 @@ class CudaGraphManager:
             num_reqs, num_tokens, max_query_len,
             self.capture_sizes if self.graphs else [],
             self.piecewise_sizes if self.piecewise is not None else [],
+            self.spec_sizes if self.graphs else [], self.spec_query_len,
         )
 
     def run_fullgraph(self, desc: BatchDescriptor) -> torch.Tensor:
@@ -102,6 +107,7 @@ class CudaGraphManager:
                 self.capture_sizes, self._fill_dummy_inputs, self._captured_forward,
                 self.pool, "V2",
             )
+            self.graphs.update(self._capture_spec_graphs())
         if self.piecewise_enabled:
             piecewise = PiecewiseGraphs(
                 self.executor.model, self.piecewise_sizes, self.buffers.input_ids,
@@ -110,17 +116,29 @@ class CudaGraphManager:
             piecewise.capture(self.pool, "V2")
             self.piecewise = piecewise
 
-    def _captured_forward(self, size: int, common: CommonAttentionMetadata) -> torch.Tensor:
+    def _capture_spec_graphs(self) -> FullGraphs:
+        """FULL graphs of uniform speculative verifies: size requests x (1 + k) tokens."""
+        if not self.spec_sizes:
+            return {}
+        q = self.spec_query_len
+        return capture_full_graphs(
+            self.spec_sizes, functools.partial(self._fill_dummy_inputs, query_len=q),
+            functools.partial(self._captured_forward, query_len=q), self.pool,
+            f"{self._label} spec verify", query_len=q,
+        )
+
+    def _captured_forward(self, size: int, common: CommonAttentionMetadata,
+                          query_len: int = 1) -> torch.Tensor:
         """What a FULL graph holds: the metadata build and the whole forward."""
         attn_metadata = self.executor.build_attn_metadata(common)
-        b = self.buffers
-        return self.executor.forward(b.input_ids[:size], b.positions[:size], attn_metadata, size)
+        b, n = self.buffers, size * query_len
+        return self.executor.forward(b.input_ids[:n], b.positions[:n], attn_metadata, n)
 
-    def _fill_dummy_inputs(self, size: int) -> CommonAttentionMetadata:
+    def _fill_dummy_inputs(self, size: int, query_len: int = 1) -> CommonAttentionMetadata:
         """Called before (not inside) each capture; see fill_dummy_decode."""
         b = self.buffers
         return fill_dummy_decode(
             size, b.input_ids, b.positions, b.query_start_loc, b.seq_lens,
             self.block_tables.input_block_tables, self.block_tables.slot_mappings,
-            self.max_model_len, self.executor.block_size,
+            self.max_model_len, self.executor.block_size, query_len,
         )

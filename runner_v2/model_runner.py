@@ -84,10 +84,19 @@ class GPUModelRunner(RunnerSetupMixin):
             None if config.speculative_config is None
             else V2Speculator(config, device, R, vocab)
         )
+        # Drafts are made, kept and read on the device: the scheduler may plan the next
+        # step before they (and the accepted counts) reach the host (async scheduling).
+        self.keeps_drafts_on_device = self.speculator is not None
+        self._host_seq_lens_inexact = (
+            self.keeps_drafts_on_device and sc.async_scheduling
+            and config.attention_backend == "TORCH"
+        )
 
     # ---- runner protocol: set-up (load_model, KV sizing: RunnerSetupMixin) ----------
     def capture_model(self) -> None:
         self.cudagraph_manager.capture()
+        if self.speculator is not None:
+            self.speculator.capture(self.cudagraph_manager.pool)
 
     # ---- runner protocol: a step ------------------------------------------------------
     def execute_model(self, scheduler_output: SchedulerOutput) -> None:
@@ -274,11 +283,16 @@ class GPUModelRunner(RunnerSetupMixin):
         return batch, desc
 
     def _common_metadata(self, batch: InputBatch) -> CommonAttentionMetadata:
-        # host copies: exact here (the scheduler's counts) and used only by TORCH
+        # host copies, used only by TORCH: exact from the scheduler's counts, except under
+        # async scheduling with drafts, where the scheduler counts every draft as
+        # accepted: there the device's (a sync, on the oracle backend only)
+        seq_lens_cpu = torch.from_numpy(batch.seq_lens_np)
+        if self._host_seq_lens_inexact:
+            seq_lens_cpu = batch.seq_lens.cpu()
         return CommonAttentionMetadata.for_batch(
             batch, batch.block_table, batch.slot_mapping, self.block_size,
             query_start_loc_cpu=torch.from_numpy(batch.query_start_loc_np),
-            seq_lens_cpu=torch.from_numpy(batch.seq_lens_np),
+            seq_lens_cpu=seq_lens_cpu,
         )
 
     # ---- output -------------------------------------------------------------------------

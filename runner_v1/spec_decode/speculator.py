@@ -19,43 +19,63 @@ import torch
 
 from runner_v1.persistent_batch import PersistentBatch
 from runner_v1.sampling_metadata import SamplingMetadata
+from runner_v1.spec_decode.draft_proposer import V1DraftProposer
 from runner_v1.spec_decode.metadata import SpecDecodeMetadata, ragged_arange
 from runner_v1.spec_decode.ngram_proposer import NgramProposer
 from runner_v1.spec_decode.rejection_sampler import RejectionOutput, rejection_sample
 
 
 class V1Speculator:
-    def __init__(self, spec_config: Any, max_model_len: int, device: torch.device) -> None:
-        if spec_config.method != "ngram":
-            # draft_model in V1 is not built yet: refuse rather than run without drafts
-            raise ValueError(
-                f"speculative_config.method={spec_config.method!r} is not implemented in the "
-                "V1 runner yet; use method='ngram'"
-            )
-        if spec_config.rejection_sample_method == "block":
+    """The runner's one handle on speculative decoding: the proposer (ngram over the host
+    token table, or a draft model), the rejection sampler's settings, the draft q rows."""
+
+    def __init__(self, config: Any, device: torch.device) -> None:
+        spec = config.speculative_config
+        if spec.rejection_sample_method == "block":
             raise ValueError(
                 "speculative_config.rejection_sample_method='block' (block verification) is "
                 "V2-only; use 'standard' or 'synthetic' with the V1 runner, or "
                 "RUNNERLAB_USE_V2_MODEL_RUNNER=1"
             )
-        self.k = spec_config.num_speculative_tokens
-        self.method = spec_config.rejection_sample_method
-        rates = spec_config.synthetic_acceptance_rates
+        self.k = spec.num_speculative_tokens
+        self.method = spec.rejection_sample_method
+        rates = spec.synthetic_acceptance_rates
         self.synthetic_rates = None if rates is None else tuple(float(r) for r in rates)
         self.device = device
-        self.proposer = NgramProposer(
-            self.k, spec_config.prompt_lookup_min, spec_config.prompt_lookup_max, max_model_len
-        )
+        max_model_len = config.scheduler_config.max_model_len
+        self.ngram: NgramProposer | None = None
+        self.draft: V1DraftProposer | None = None
+        if spec.method == "ngram":
+            self.ngram = NgramProposer(
+                self.k, spec.prompt_lookup_min, spec.prompt_lookup_max, max_model_len)
+        else:
+            self.draft = V1DraftProposer(config, spec.draft_model_config, self.k, device)
 
     # ---- set-up (the runner's; ngram has no model and no KV) ------------------------------
     def load_model(self) -> None:
-        pass
+        if self.draft is not None:
+            self.draft.load_model()
 
     def kv_bytes_per_block(self) -> int:
-        return 0
+        return 0 if self.draft is None else self.draft.kv_bytes_per_block()
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
-        pass
+        if self.draft is not None:
+            self.draft.initialize_kv_cache(num_blocks)
+
+    def capture(self, pool) -> None:
+        if self.draft is not None:
+            self.draft.capture(pool)
+
+    # ---- request lifecycle ------------------------------------------------------------------
+    def remove(self, req_id: str) -> None:
+        """A finished or preempted request: forget its proposals (draft q rows)."""
+        if self.draft is not None:
+            self.draft.remove(req_id)
+
+    def reset(self) -> None:
+        if self.draft is not None:
+            self.draft.reset()
 
     # ---- before the forward -------------------------------------------------------------
     def write_drafts(
@@ -80,18 +100,25 @@ class V1Speculator:
     # ---- sampling -----------------------------------------------------------------------
     def sample(
         self, logits: torch.Tensor, metadata: SamplingMetadata, positions: torch.Tensor,
-        md: SpecDecodeMetadata,
+        md: SpecDecodeMetadata, req_ids: list[str],
     ) -> RejectionOutput:
+        probs = None
+        if self.draft is not None:  # ngram's drafts are deterministic: q is one-hot
+            probs = self.draft.draft_probs_for_step(req_ids, md.num_draft_tokens)
         return rejection_sample(
-            logits, metadata, positions, md.num_draft_tokens, md.draft_token_ids, None,
+            logits, metadata, positions, md.num_draft_tokens, md.draft_token_ids, probs,
             self.method, self.synthetic_rates,
         )
 
     # ---- after sampling -----------------------------------------------------------------
-    def propose(self, batch: PersistentBatch, rows: np.ndarray) -> list[list[int]]:
-        """ngram drafts for the given rows (those that sampled), from the token table
-        with this step's accepted tokens in it."""
+    def propose(self, batch: PersistentBatch, rows: np.ndarray, num_scheduled: np.ndarray,
+                metadata: SamplingMetadata) -> list[list[int]]:
+        """The next step's drafts for the given rows (those that sampled), from the token
+        table with this step's accepted tokens in it. The draft model runs even when no
+        row sampled: its catch-up must still see this step's prefill chunks."""
+        if self.draft is not None:
+            return self.draft.propose(batch, num_scheduled, rows, metadata)
         if rows.size == 0:
             return []
-        drafts, counts = self.proposer.propose(batch.token_ids, batch.num_tokens, rows)
+        drafts, counts = self.ngram.propose(batch.token_ids, batch.num_tokens, rows)
         return [d[:c].tolist() for d, c in zip(drafts, counts.tolist())]

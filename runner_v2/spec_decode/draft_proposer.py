@@ -26,6 +26,7 @@ from runner_v2.input_batch import InputBatch
 from runner_v2.sample.states import SamplingStates
 from runner_v2.states import RequestState
 from shared.attention.metadata import PAD_SLOT_ID, CommonAttentionMetadata, count_leading_decodes
+from shared.runtime.draft_executor import DraftForward
 from shared.runtime.model_executor import ModelExecutor
 from shared.runtime.triton_utils import tl, triton
 from shared.sampling.draft_sampling import sample_draft
@@ -48,6 +49,7 @@ def _catch_up_inputs_kernel(
     block_table_ptr, block_table_stride, block_size, max_model_len,
     input_ids_ptr, positions_ptr, slots_ptr,  # [num catch-up tokens]
     last_idx_ptr,  # [N] int64: each row's last real catch-up token
+    seq_lens_out_ptr,  # [N] int32: the catch-up's seq_lens
     BLOCK: tl.constexpr,
 ):
     b = tl.program_id(0)
@@ -68,6 +70,7 @@ def _catch_up_inputs_kernel(
         slot = _slot(block_table_ptr, block_table_stride, row, pos, block_size, real)
         tl.store(slots_ptr + cs + o, slot, mask=m)
     tl.store(last_idx_ptr + b, (cs + tl.minimum(n, total - start_pos) - 1).to(tl.int64))
+    tl.store(seq_lens_out_ptr + b, (start_pos + n).to(tl.int32))
 
 
 @triton.jit
@@ -92,8 +95,10 @@ def _decode_inputs_kernel(
 
 class V2DraftProposer:
     def __init__(self, executor: ModelExecutor, k: int, max_model_len: int, block_size: int,
-                 needs_host_seq_lens: bool, device: torch.device) -> None:
+                 needs_host_seq_lens: bool, device: torch.device, max_num_tokens: int,
+                 capture_sizes: list[int]) -> None:
         self.executor = executor
+        self.draft_forward = DraftForward(executor, max_num_tokens, capture_sizes, device)
         self.k = k
         self.max_model_len = max_model_len
         self.block_size = block_size
@@ -150,17 +155,19 @@ class V2DraftProposer:
         positions = torch.empty(total, dtype=torch.int64, device=dev)
         slots = torch.empty(total, dtype=torch.int64, device=dev)
         last_idx = torch.empty(n, dtype=torch.int64, device=dev)
+        seq_lens = torch.empty(n, dtype=torch.int32, device=dev)
         qsl_dev = torch.from_numpy(qsl).to(dev)
         at = req_states.all_token_ids.gpu
         _catch_up_inputs_kernel[(n,)](
             batch.idx_mapping, batch.seq_lens, batch.query_start_loc, qsl_dev,
             req_states.total_len.gpu, at, at.stride(0),
             block_table, block_table.stride(0), self.block_size, self.max_model_len,
-            ids, positions, slots, last_idx, BLOCK=_BLOCK,
+            ids, positions, slots, last_idx, seq_lens, BLOCK=_BLOCK,
         )  # fmt: skip
-        # exact on the host: the scheduler's num_computed plus the layout
+        # the device's seq_lens are exact; the host's, from the scheduler's num_computed,
+        # are an upper bound under async scheduling (it counts every draft as accepted)
         seq_lens_np = (batch.seq_lens_np[:n] - qlen + lengths).astype(np.int32)
-        seq_lens = torch.from_numpy(seq_lens_np).to(dev)
+        seq_lens_cpu = seq_lens.cpu() if self.needs_host_seq_lens else torch.from_numpy(seq_lens_np)
         num_decodes = count_leading_decodes(lengths)
         md = CommonAttentionMetadata(
             query_start_loc=qsl_dev, seq_lens=seq_lens, block_table=batch.block_table[:n],
@@ -168,10 +175,10 @@ class V2DraftProposer:
             max_query_len=int(lengths.max()), max_seq_len=int(seq_lens_np.max()),
             num_decodes=num_decodes, num_prefills=n - num_decodes, num_decode_tokens=num_decodes,
             block_size=self.block_size, query_start_loc_cpu=torch.from_numpy(qsl),
-            seq_lens_cpu=torch.from_numpy(seq_lens_np),
+            seq_lens_cpu=seq_lens_cpu,
         )
         self._max_seq_len = min(self.max_model_len, int(seq_lens_np.max()) + self.k)
-        hidden = self.executor.forward(ids, positions, self.executor.build_attn_metadata(md), total)
+        hidden = self.draft_forward(ids, positions, slots, md)
         return hidden, last_idx, positions
 
     def _decode_forward(self, rows, prev_pos, tokens, tables, block_table, n: int):
@@ -193,5 +200,5 @@ class V2DraftProposer:
             query_start_loc_cpu=torch.from_numpy(qsl_np),
             seq_lens_cpu=seq_lens.cpu() if self.needs_host_seq_lens else None,
         )
-        hidden = self.executor.forward(ids, positions, self.executor.build_attn_metadata(md), n)
-        return hidden, positions
+        hidden = self.draft_forward(ids, positions, slots, md)
+        return hidden[:n], positions

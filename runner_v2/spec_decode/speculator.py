@@ -22,7 +22,7 @@ from runner_v2.spec_decode.rejection_sampler import RejectionOutput, rejection_s
 from runner_v2.spec_decode.spec_batch import SpecDecodeBatch, build_spec_decode_batch
 from runner_v2.states import RequestState
 from shared.contract.step import SchedulerOutput
-from shared.runtime.draft_executor import make_draft_executor
+from shared.runtime.draft_executor import draft_capture_sizes, make_draft_executor
 
 
 class V2Speculator:
@@ -51,6 +51,8 @@ class V2Speculator:
         self.proposer = V2DraftProposer(
             self.draft_executor, self.k, config.scheduler_config.max_model_len,
             config.cache_config.block_size, config.attention_backend == "TORCH", device,
+            config.scheduler_config.max_num_batched_tokens + max_num_reqs,
+            draft_capture_sizes(config),
         )
 
     # ---- set-up -------------------------------------------------------------------------
@@ -62,6 +64,9 @@ class V2Speculator:
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         self.draft_executor.initialize_kv_cache(num_blocks)
+
+    def capture(self, pool) -> None:
+        self.proposer.draft_forward.capture(pool)
 
     # ---- a step -------------------------------------------------------------------------
     def spec_batch(self, batch: InputBatch, so: SchedulerOutput) -> SpecDecodeBatch | None:

@@ -34,9 +34,12 @@ def padded_size(num: int, capture_sizes: list[int]) -> int | None:
     return capture_sizes[i] if i < len(capture_sizes) else None
 
 
-def is_uniform_decode(max_query_len: int, num_tokens: int, num_reqs: int) -> bool:
-    """Every request decodes exactly one token: the only batches FULL graphs cover."""
-    return max_query_len == 1 and num_tokens == num_reqs
+def is_uniform_decode(max_query_len: int, num_tokens: int, num_reqs: int,
+                      query_len: int = 1) -> bool:
+    """Every request runs exactly `query_len` tokens: 1 for a plain decode, 1 + k for a
+    speculative verify where every row carries k drafts. The only batches FULL graphs
+    cover."""
+    return max_query_len == query_len and num_tokens == num_reqs * query_len
 
 
 @dataclass(frozen=True)
@@ -44,8 +47,9 @@ class BatchDescriptor:
     """The key of a captured graph: the mode and the padded sizes it was captured at."""
 
     mode: str  # "FULL" | "PIECEWISE" | "NONE"
-    num_tokens: int  # padded token count (== padded request count for FULL decode)
+    num_tokens: int  # padded token count (num_reqs * uniform_query_len for FULL)
     num_reqs: int | None  # padded request count for FULL; None for PIECEWISE / NONE
+    uniform_query_len: int = 1  # FULL: tokens per request (1 + k for a spec verify)
 
 
 def dispatch_graph(
@@ -54,10 +58,13 @@ def dispatch_graph(
     max_query_len: int,
     full_sizes: list[int],
     piecewise_sizes: list[int],
+    spec_full_sizes: list[int] = (),
+    spec_query_len: int = 0,
 ) -> BatchDescriptor | None:
     """The graph a step runs, both runners' rule (sizes sorted ascending; [] where that
     kind of graph is not captured): FULL for a uniform decode within the FULL sizes,
-    padded by request count; else PIECEWISE when the token count fits the piecewise
+    padded by request count, or for a uniform speculative verify (every row 1 + k tokens,
+    spec_query_len) within spec_full_sizes (request counts); else PIECEWISE when the token count fits the piecewise
     sizes, padded by token count alone (num_reqs None: the attention between the
     segments is eager and sees the real request count); else None, eager at the real
     sizes (an empty step included)."""
@@ -67,6 +74,10 @@ def dispatch_graph(
         size = padded_size(num_reqs, full_sizes)
         if size is not None:
             return BatchDescriptor("FULL", size, size)
+    if spec_full_sizes and is_uniform_decode(max_query_len, num_tokens, num_reqs, spec_query_len):
+        size = padded_size(num_reqs, list(spec_full_sizes))
+        if size is not None:
+            return BatchDescriptor("FULL", size * spec_query_len, size, spec_query_len)
     size = padded_size(num_tokens, piecewise_sizes) if piecewise_sizes else None
     return None if size is None else BatchDescriptor("PIECEWISE", size, None)
 
@@ -79,6 +90,9 @@ class GraphSizes:
     piecewise_sizes: list[int]  # PIECEWISE: any batch of <= max_num_batched_tokens tokens
     full_enabled: bool
     piecewise_enabled: bool
+    # FULL graphs of uniform speculative verifies (request counts; [] without spec decode)
+    spec_full_sizes: list[int] = ()
+    spec_query_len: int = 0  # 1 + num_speculative_tokens, 0 without spec decode
 
 
 def graph_sizes(config: EngineConfig, on_cuda: bool, backend: Any, label: str) -> GraphSizes:
@@ -104,7 +118,11 @@ def graph_sizes(config: EngineConfig, on_cuda: bool, backend: Any, label: str) -
             "; piecewise graphs cover every batch that fits" if piecewise_enabled else "",
         )
     full_enabled = wants_full and backend.supports_full_cudagraph
-    return GraphSizes(full_sizes, piecewise_sizes, full_enabled, piecewise_enabled)
+    spec = config.speculative_config
+    spec_query_len = 0 if spec is None else 1 + spec.num_speculative_tokens
+    spec_sizes = [s for s in full_sizes if s * spec_query_len <= sc.max_num_batched_tokens]
+    return GraphSizes(full_sizes, piecewise_sizes, full_enabled, piecewise_enabled,
+                      spec_sizes if full_enabled and spec_query_len else [], spec_query_len)
 
 
 def fill_dummy_decode(
@@ -117,34 +135,37 @@ def fill_dummy_decode(
     slot_mapping: torch.Tensor,
     max_model_len: int,
     block_size: int,
+    query_len: int = 1,
 ) -> CommonAttentionMetadata:
-    """Write a uniform decode of `size` rows into a runner's persistent buffers and return
+    """Write a uniform decode of `size` rows (`query_len` tokens each: 1, or 1 + k for a
+    speculative verify) into a runner's persistent buffers and return
     its metadata, for graph warm-up and capture. Zero block-table rows and PAD slots: the
     capture reads block 0 at most and writes nothing into the KV cache.
 
     Call it OUTSIDE the captured region: captured, these writes would replay every step
     and reset the step's real inputs to this dummy batch. max_seq_len is max_model_len so
     that nothing the backend derives from it at capture is too small at replay."""
-    input_ids[:size].zero_()
-    positions[:size].zero_()
-    query_start_loc[: size + 1].copy_(
-        torch.arange(size + 1, dtype=query_start_loc.dtype, device=query_start_loc.device)
-    )
-    seq_lens[:size].fill_(1)
+    num_tokens = size * query_len
+    input_ids[:num_tokens].zero_()
+    positions[:num_tokens].zero_()
+    query_start_loc[: size + 1].copy_(torch.arange(
+        0, num_tokens + 1, query_len, dtype=query_start_loc.dtype, device=query_start_loc.device))
+    seq_lens[:size].fill_(query_len)
     block_table[:size].zero_()
-    slot_mapping[:size].fill_(PAD_SLOT_ID)
+    slot_mapping[:num_tokens].fill_(PAD_SLOT_ID)
+    num_decodes = size if query_len == 1 else 0
     return CommonAttentionMetadata(
         query_start_loc=query_start_loc[: size + 1],
         seq_lens=seq_lens[:size],
         block_table=block_table[:size],
-        slot_mapping=slot_mapping[:size],
+        slot_mapping=slot_mapping[:num_tokens],
         num_reqs=size,
-        num_actual_tokens=size,
-        max_query_len=1,
+        num_actual_tokens=num_tokens,
+        max_query_len=query_len,
         max_seq_len=max_model_len,
-        num_decodes=size,
-        num_prefills=0,
-        num_decode_tokens=size,
+        num_decodes=num_decodes,
+        num_prefills=size - num_decodes,
+        num_decode_tokens=num_decodes,
         block_size=block_size,
     )
 
@@ -176,8 +197,10 @@ def capture_full_graphs(
     record: Callable[[Callable[[], torch.Tensor], Any], tuple[Replayable, torch.Tensor]] = (
         record_cuda_graph
     ),
+    query_len: int = 1,
 ) -> FullGraphs:
-    """One FULL graph per capture size, keyed BatchDescriptor("FULL", size, size).
+    """One FULL graph per capture size (a request count), keyed
+    BatchDescriptor("FULL", size * query_len, size, query_len).
 
     Per size, largest first (its temporaries size the pool; smaller sizes reuse them):
     `fill_inputs(size)` writes a dummy decode into the runner's persistent buffers and
@@ -199,14 +222,15 @@ def capture_full_graphs(
         if on_cuda:
             torch.cuda.synchronize()
         metadata = fill_inputs(size)
-        graphs[BatchDescriptor("FULL", size, size)] = record(
+        graphs[BatchDescriptor("FULL", size * query_len, size, query_len)] = record(
             lambda s=size, m=metadata: forward(s, m), pool
         )
     if on_cuda:
         torch.cuda.synchronize()
         logger.info(
-            "%s captured %d FULL graphs (sizes %d..%d) in %.2f s, %.1f MB of graph memory",
-            label, len(graphs), sizes[0], sizes[-1], time.perf_counter() - start,
+            "%s captured %d FULL graphs (sizes %d..%d, %d token(s) per request) in %.2f s, "
+            "%.1f MB of graph memory", label, len(graphs), sizes[0], sizes[-1], query_len,
+            time.perf_counter() - start,
             (free_before - torch.cuda.mem_get_info()[0]) / 1e6,
         )
     return graphs

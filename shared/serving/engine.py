@@ -83,6 +83,7 @@ class LLMEngine:
             async_scheduling=sc.async_scheduling,
             num_speculative_tokens=self.num_speculative_tokens,
             num_lookahead_tokens=self.num_lookahead_tokens,
+            drafts_on_device=getattr(self.runner, "keeps_drafts_on_device", False),
         )
         self.async_scheduling = sc.async_scheduling
         if self.async_scheduling and not getattr(self.runner, "supports_async_scheduling", False):

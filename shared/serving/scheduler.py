@@ -72,8 +72,9 @@ class _InFlightStep:
     scheduled: dict[str, Request]
     # Finished (aborted, or stopped by a failed step's update) but not yet reported.
     unreported: list[Request] = field(default_factory=list)
-    # Requests this step samples for: each holds a placeholder until the update.
-    sampling: list[Request] = field(default_factory=list)
+    # Requests this step samples for, with the placeholders each holds until the update
+    # (1, or 1 + its drafts under speculative decoding: the optimistic count).
+    sampling: dict[Request, int] = field(default_factory=dict)
     # Requests this step's update finished, kept until the update returns: if it
     # raises, the recovery reports them with the next step.
     finished: list[Request] = field(default_factory=list)
@@ -93,6 +94,7 @@ class Scheduler:
         async_scheduling: bool = False,
         num_speculative_tokens: int = 0,
         num_lookahead_tokens: int = 0,
+        drafts_on_device: bool = False,
     ) -> None:
         if min(max_num_seqs, max_num_batched_tokens, max_model_len) < 1:
             raise ValueError("max_num_seqs, max_num_batched_tokens and max_model_len must be >= 1")
@@ -107,12 +109,16 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.enable_chunked_prefill = enable_chunked_prefill
         self.async_scheduling = async_scheduling
-        if async_scheduling and num_speculative_tokens:
+        if async_scheduling and num_speculative_tokens and not drafts_on_device:
             raise ValueError(
-                "async_scheduling=True with speculative decoding is not supported yet: the "
-                "number of accepted tokens in flight is unknown to the scheduler; set "
-                "async_scheduling=False or speculative_config=None"
+                "async_scheduling=True with speculative decoding needs a runner that keeps "
+                "the drafts on the device (V2's draft_model); set async_scheduling=False, "
+                "RUNNERLAB_USE_V2_MODEL_RUNNER=1 or speculative_config=None"
             )
+        # Under async scheduling the next step is planned before this one's drafts reach
+        # the host: a runner that proposes k drafts for every row that samples (V2, whose
+        # values stay on the device anyway) gets k placeholder drafts scheduled at once.
+        self.assume_drafts = async_scheduling and num_speculative_tokens > 0
         self.num_speculative_tokens = num_speculative_tokens
         self.num_lookahead_tokens = num_lookahead_tokens
         self.kv_cache_manager = KVCacheManager(num_blocks, block_size, enable_prefix_caching)
@@ -227,7 +233,12 @@ class Scheduler:
             if new_block_ids is None:
                 break  # the request preempted itself: everything after it is gone too
             step.add_cached(request, num_new, new_block_ids, drafts)
+            self._assume_drafts(request, step)
             i += 1
+
+    def _assume_drafts(self, request: Request, step: _StepBuilder) -> None:
+        if self.assume_drafts and request in step.sampling:
+            request.spec_token_ids = [-1] * self.num_speculative_tokens
 
     def _schedulable_drafts(self, request: Request, num_new: int, token_budget: int) -> list[int]:
         """The request's drafts that may run this step; consumed either way (a draft is
@@ -239,8 +250,10 @@ class Scheduler:
             token_budget - 1,
             # the run's last token (the target's own) still within max_model_len
             self.max_model_len - request.num_computed_tokens - 2,
-            # no accepted token past max_tokens (the target's own token counts too)
-            request.sampling_params.max_tokens - request.num_output_tokens - 1,
+            # no accepted token past max_tokens (the target's own token counts too; so do
+            # the tokens still in flight, counted as if every draft is accepted)
+            request.sampling_params.max_tokens - request.num_output_tokens
+            - request.num_output_placeholders - 1,
         )
         return drafts[: max(0, limit)]
 
@@ -283,7 +296,10 @@ class Scheduler:
             num_new = self._num_new_tokens(request, num_hit_tokens, step.token_budget)
             if num_new > step.token_budget:  # chunking off: the whole prefill must fit
                 break
-            new_block_ids = kv.allocate_slots(request, num_new, computed_blocks)
+            # a draft model writes its KV from the prefill's sampled token on: lookahead
+            lookahead = min(self.num_lookahead_tokens,
+                            self.max_model_len - num_hit_tokens - num_new)
+            new_block_ids = kv.allocate_slots(request, num_new + lookahead, computed_blocks)
             if new_block_ids is None:
                 if not self.running:
                     raise RuntimeError(
@@ -296,6 +312,7 @@ class Scheduler:
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             step.add_new(request, num_new)
+            self._assume_drafts(request, step)
 
     # ---- recovery ----------------------------------------------------------------------
 
@@ -336,8 +353,8 @@ class Scheduler:
         if record is None or record.scheduler_output is not scheduler_output:
             raise ValueError("update_from_output got a SchedulerOutput this scheduler did not issue")
         updates = [RequestUpdate(r, [], None, True) for r in record.unreported]
-        for request in record.sampling:
-            request.num_output_placeholders -= 1
+        for request, n in record.sampling.items():
+            request.num_output_placeholders -= n
         for req_id, request in record.scheduled.items():
             # Identity, not id: the id may belong to a resubmitted request by now. A
             # request finished or aborted since schedule() ignores its late output; one
@@ -366,8 +383,10 @@ class Scheduler:
         if drafts:
             num_accepted = len(sampled) - 1
             # The rejected drafts' KV is garbage: recompute from the first of them (the
-            # slots stay allocated and are overwritten).
-            request.num_computed_tokens -= len(drafts) - num_accepted
+            # slots stay allocated and are overwritten). A request preempted since (async)
+            # recomputes everything anyway.
+            if request.status == RequestStatus.RUNNING:
+                request.num_computed_tokens -= len(drafts) - num_accepted
             request.spec_decode_stats.record(len(drafts), num_accepted)
         new_token_ids: list[int] = []
         for token_id in sampled:
@@ -382,7 +401,8 @@ class Scheduler:
                 self._finish(request, status)
                 record.finished.append(request)
                 break
-        if runner_output.draft_token_ids is not None and not request.is_finished:
+        if (runner_output.draft_token_ids is not None and not request.is_finished
+                and not self.assume_drafts):
             request.spec_token_ids = list(runner_output.draft_token_ids[index])
         logprobs = runner_output.logprobs[index] if runner_output.logprobs else None
         new_logprobs = None if logprobs is None else [_logprobs_dict(logprobs)]
@@ -436,7 +456,7 @@ class _StepBuilder:
         self.num_scheduled_tokens: dict[str, int] = {}
         self.scheduled: dict[str, Request] = {}
         self.preempted_req_ids: set[str] = set()
-        self.sampling: list[Request] = []
+        self.sampling: dict[Request, int] = {}
         self.spec_decode_tokens: dict[str, list[int]] = {}
 
     def _take(self, request: Request, num_new: int) -> None:
@@ -444,10 +464,13 @@ class _StepBuilder:
         self.scheduled[request.request_id] = request
         self.token_budget -= num_new
         request.num_computed_tokens += num_new  # vLLM's convention: advanced at schedule
-        # A chunk that reaches the last known (or in-flight) token samples the next one.
+        # A chunk that reaches the last known (or in-flight) token samples the next one;
+        # a verify of d drafts may yield up to 1 + d tokens: counted optimistically (all
+        # accepted) until the output lands and says how many.
         if request.num_computed_tokens >= request.num_tokens + request.num_output_placeholders:
-            request.num_output_placeholders += 1
-            self.sampling.append(request)
+            n = 1 + len(self.spec_decode_tokens.get(request.request_id, ()))
+            request.num_output_placeholders += n
+            self.sampling[request] = n
 
     def add_cached(
         self, request: Request, num_new: int, new_block_ids: list[int], drafts: list[int]

@@ -35,6 +35,11 @@ RUNS = {
     "env0": (["--model", "tiny-llama", "--json"], {VAR: "0"}),
     "maybe": (["--model", "tiny-llama"], {VAR: "maybe"}),
     "mamba": (["--json", "--model", "{mamba}"], {}),
+    # block verification with V1 forced by the env var: explained, and an error (exit 1)
+    "spec-block-env0": (["--json", "--model", "tiny-llama", "--speculative-config",
+                         '{{"method":"draft_model","model":"tiny-llama-draft",'
+                         '"num_speculative_tokens":2,"rejection_sample_method":"block"}}'],
+                        {VAR: "0"}),
 }
 
 
@@ -105,6 +110,18 @@ def test_mamba_is_attention_free_v1(runs):
     assert report["model"]["is_attention_free"] and not report["model"]["supported_by_runnerlab"]
     assert "runnerlab implements neither runner for MambaForCausalLM" in report["reasons"]
     assert any("neither runner" in b for b in report["run_blockers"])
+
+
+def test_block_verification_on_v1_exits_1_naming_the_field(runs):
+    rc, out, err = runs["spec-block-env0"]
+    assert rc == 1, err
+    report = json.loads(out)
+    assert (report["runner"], report["source"]) == ("v1", "env")
+    assert report["error"].startswith(
+        "Model runner V1 (chosen by RUNNERLAB_USE_V2_MODEL_RUNNER=0) does not support: "
+        "rejection_sample_method='block'.")
+    assert "model_runner='v2'" in report["error"]
+    assert report["speculative_config"]["draft_model"]["model"] == "tiny-llama-draft"
 
 
 def _explain_in_process(capsys, argv):
@@ -186,7 +203,8 @@ def test_engine_flags_round_trip():
     ns = parser.parse_args([
         "--model", "tiny-qwen3", "--max-model-len", "256", "--no-enable-prefix-caching",
         "--enforce-eager", "--cudagraph-capture-sizes", "1", "2", "--model-runner", "v1",
-        "--speculative-config", '{"method": "eagle", "rejection_sample_method": "block"}',
+        "--speculative-config", '{"method": "draft_model", "model": "tiny-llama-draft", '
+                                '"num_speculative_tokens": 2, "rejection_sample_method": "block"}',
         "--gpu-memory-utilization", "0.5", "--pooling-task", "embed",
     ])
     args = engine_args_from_namespace(ns, seed=7)
@@ -194,6 +212,8 @@ def test_engine_flags_round_trip():
     assert args.enable_prefix_caching is False and args.enforce_eager is True
     assert args.cudagraph_capture_sizes == [1, 2] and args.model_runner == "v1"
     assert args.speculative_config.rejection_sample_method == "block"
+    assert args.speculative_config.model == "tiny-llama-draft"
+    assert args.speculative_config.num_speculative_tokens == 2
     assert args.gpu_memory_utilization == 0.5 and args.pooling_task == "embed" and args.seed == 7
     # flags not given keep EngineArgs' own defaults
     assert args.block_size == 16 and args.dtype == "auto" and args.enable_chunked_prefill is True

@@ -16,10 +16,15 @@ from policy.features import FEATURES, SUPPORTED, requested_features, unsupported
 
 # label -> the runners that honour it, written from the docs, not read from the table:
 SUPPORTED_BY = {
-    # refused on both runners ("Known gaps": speculative decoding, logits processors,
-    # pooling and prompt embeddings are refused by the feature table on both runners)
-    "speculative decoding": set(),
-    "rejection_sample_method='block'": set(),  # a speculative-decoding setting
+    # speculative decoding, DESIGN.md section 10: ngram (prompt lookup on the host) V1 only;
+    # draft_model and the standard / synthetic rules on both; block verification V2 only
+    "ngram speculative decoding": {"v1"},
+    "draft_model speculative decoding": {"v1", "v2"},
+    "rejection_sample_method='standard'": {"v1", "v2"},
+    "rejection_sample_method='synthetic'": {"v1", "v2"},
+    "rejection_sample_method='block'": {"v2"},
+    # refused on both runners ("Known gaps": logits processors, pooling and prompt
+    # embeddings are refused by the feature table on both runners)
     "custom logits processors": set(),
     "pooling": set(),
     "prompt embeds": set(),
@@ -46,10 +51,18 @@ def _unsupported(runner, labels):
 
 # label -> EngineArgs settings that turn the feature on. Adding a row to the table without
 # adding it here fails test_every_feature_has_settings.
+DRAFT = {"method": "draft_model", "model": "tiny-llama-draft", "num_speculative_tokens": 2}
 SETTINGS = {
-    "speculative decoding": {"speculative_config": {"method": "eagle"}},
+    "ngram speculative decoding": {
+        "speculative_config": {"method": "ngram", "num_speculative_tokens": 2}},
+    "draft_model speculative decoding": {"speculative_config": DRAFT},
+    "rejection_sample_method='standard'": {
+        "speculative_config": DRAFT | {"rejection_sample_method": "standard"}},
+    "rejection_sample_method='synthetic'": {
+        "speculative_config": DRAFT | {"rejection_sample_method": "synthetic",
+                                       "synthetic_acceptance_rates": [0.9, 0.5]}},
     "rejection_sample_method='block'": {
-        "speculative_config": {"method": "eagle", "rejection_sample_method": "block"}},
+        "speculative_config": DRAFT | {"rejection_sample_method": "block"}},
     "custom logits processors": {"logits_processors": ["my_pkg.procs:NoRepeat"]},
     "pooling": {"pooling_task": "embed"},
     "prompt embeds": {"enable_prompt_embeds": True},
@@ -142,8 +155,10 @@ def test_table_rows():
     rows = feature_table.table()
     assert [r["feature"] for r in rows] == [f.label for f in FEATURES]
     assert all(r["v1"] in ("supported", "unsupported-yet") for r in rows)
-    # no feature is V1-only any more (the piecewise graphs were the last)
-    assert {r["feature"] for r in rows if r["v1"] == "supported" and r["v2"] != "supported"} == set()
+    # the one V1-only feature is ngram speculative decoding (the piecewise graphs were
+    # V1-only until V2 got them)
+    assert {r["feature"] for r in rows if r["v1"] == "supported" and r["v2"] != "supported"} == {
+        "ngram speculative decoding"}
 
 
 # ---- each supported feature, run on CPU with the runner that supports it ---------------
@@ -255,15 +270,99 @@ def _run_async_scheduling(runner: str):
     assert tokens == sync and in_flight > 0
 
 
+# ---- speculative decoding: greedy equals the plain engine; the rest against each other
+SPEC = dict(model="tiny-llama", dtype="float64")
+# prompts that repeat themselves, so the ngram proposer finds matches
+SPEC_PROMPTS = [[5, 6, 7, 8] * 3, [9, 10, 9, 10, 9], [11, 12, 13, 11, 12, 13, 11]]
+
+
+def _spec_generate(engine, sampled: bool):
+    from shared.contract.sampling_params import SamplingParams
+
+    for i, prompt in enumerate(SPEC_PROMPTS):
+        engine.add_request(f"s{i}", prompt, SamplingParams(
+            max_tokens=8, temperature=0.8 if sampled else 0.0, seed=i, ignore_eos=True))
+    tokens = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            tokens[out.request_id] = out.outputs[0].token_ids
+    return tokens, engine.spec_decode_stats
+
+
+@functools.cache
+def _spec_run(runner: str, spec_json: str, sampled: bool):
+    import json
+
+    spec = json.loads(spec_json)
+    engine = _engine(model_runner=runner, **SPEC,
+                     **({} if spec is None else {"speculative_config": spec}))
+    return _spec_generate(engine, sampled)
+
+
+def _spec(runner: str, sampled: bool = False, **spec):
+    import json
+
+    return _spec_run(runner, json.dumps(spec, sort_keys=True), sampled)
+
+
+NGRAM = dict(method="ngram", num_speculative_tokens=2, prompt_lookup_min=1, prompt_lookup_max=2)
+SELF_DRAFT = dict(method="draft_model", model="tiny-llama", num_speculative_tokens=2)
+WEAK_DRAFT = dict(method="draft_model", model="tiny-llama-draft", num_speculative_tokens=2)
+
+
+def _plain(sampled: bool = False):
+    return _spec_run("v1", "null", sampled)[0]
+
+
+def _run_ngram(monkeypatch):
+    tokens, stats = _spec("v1", **NGRAM)
+    assert tokens == _plain() and 0 < stats.num_accepted_tokens
+
+
+def _run_draft_model(runner: str):
+    def run(monkeypatch):
+        tokens, stats = _spec(runner, **SELF_DRAFT)  # the target's own weights: accepted
+        assert tokens == _plain() and stats.acceptance_rate > 0.8
+    return run
+
+
+def _run_standard(runner: str):
+    def run(monkeypatch):
+        other = "v2" if runner == "v1" else "v1"
+        tokens, stats = _spec(runner, sampled=True, **WEAK_DRAFT)
+        assert tokens == _spec(other, sampled=True, **WEAK_DRAFT)[0] and stats.num_drafts > 0
+        assert _spec(runner, **WEAK_DRAFT)[0] == _plain()  # greedy: exact match
+    return run
+
+
+def _run_synthetic(runner: str):
+    def run(monkeypatch):
+        # accepted regardless of the drafts: all at rate 1, none at rate 0
+        for rates, accepted in (([1.0, 1.0], 1.0), ([0.0, 0.0], 0.0)):
+            _, stats = _spec(runner, **WEAK_DRAFT, rejection_sample_method="synthetic",
+                             synthetic_acceptance_rates=rates)
+            assert stats.num_draft_tokens > 0 and stats.acceptance_rate == accepted
+    return run
+
+
+def _run_block(monkeypatch):
+    assert _spec("v2", **WEAK_DRAFT, rejection_sample_method="block")[0] == _plain()
+    _, stats = _spec("v2", sampled=True, **SELF_DRAFT, rejection_sample_method="block")
+    assert stats.acceptance_rate > 0.5  # the target's own q: block accepts nearly all
+
+
 RUNS = {
     **{("cudagraph_mode='PIECEWISE'", r): _run_piecewise(r) for r in ("v1", "v2")},
     **{("cudagraph_mode='FULL_AND_PIECEWISE'", r): _run_full_and_piecewise(r) for r in ("v1", "v2")},
     ("async scheduling", "v1"): lambda monkeypatch: _run_async_scheduling("v1"),
     ("async scheduling", "v2"): lambda monkeypatch: _run_async_scheduling("v2"),
+    ("ngram speculative decoding", "v1"): _run_ngram,
+    **{("draft_model speculative decoding", r): _run_draft_model(r) for r in ("v1", "v2")},
+    **{("rejection_sample_method='standard'", r): _run_standard(r) for r in ("v1", "v2")},
+    **{("rejection_sample_method='synthetic'", r): _run_synthetic(r) for r in ("v1", "v2")},
+    ("rejection_sample_method='block'", "v2"): _run_block,
 }
 SUPPORTED_PAIRS = [(f.label, r) for f in FEATURES for r in ("v1", "v2") if f.status(r) == SUPPORTED]
-
-
 def test_every_supported_feature_has_a_run():
     assert sorted(RUNS) == sorted(SUPPORTED_PAIRS)
 

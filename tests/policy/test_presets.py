@@ -32,6 +32,16 @@ EXPECTED = {
         num_hidden_layers=32, hidden_size=4096, intermediate_size=14336, num_attention_heads=32,
         num_kv_heads=8, head_dim=128, vocab_size=128256, max_position_embeddings=8192,
         rope_theta=500000.0, tie_word_embeddings=False)),
+    # draft presets: tiny-llama's vocabulary, one layer, half the width
+    "tiny-llama-draft": ("LlamaForCausalLM", "LlamaConfig", "random", False, dict(
+        hidden_size=32, num_hidden_layers=1, num_attention_heads=2, num_kv_heads=1, head_dim=16,
+        vocab_size=512, intermediate_size=64, max_position_embeddings=512,
+        tie_word_embeddings=False)),
+    # meta-llama/Llama-3.2-1B's config.json
+    "llama-3.2-1b": ("LlamaForCausalLM", "LlamaConfig", "shape-only", False, dict(
+        num_hidden_layers=16, hidden_size=2048, intermediate_size=8192, num_attention_heads=32,
+        num_kv_heads=8, head_dim=64, vocab_size=128256, max_position_embeddings=131072,
+        rope_theta=500000.0, tie_word_embeddings=True)),
     "qwen3-0.6b": ("Qwen3ForCausalLM", "Qwen3Config", "shape-only", False, dict(
         num_hidden_layers=28, hidden_size=1024, intermediate_size=3072, num_attention_heads=16,
         num_kv_heads=8, head_dim=128, vocab_size=151936, max_position_embeddings=40960,
@@ -65,6 +75,34 @@ def test_transformers_reads_the_same_values(name):
     raw = json.loads((presets_module.PRESETS_DIR / name / "config.json").read_text())
     assert hf.rope_parameters["rope_theta"] == raw["rope_parameters"]["rope_theta"]
     assert hf.vocab_size == raw["vocab_size"] and hf.architectures == [EXPECTED[name][0]]
+
+
+# meta-llama/Llama-3.2-1B's config.json as published (transformers 4.x spelling: rope_theta
+# and rope_scaling at the top level), less the keys that only steer training or generation.
+LLAMA_3_2_1B_PUBLISHED = {
+    "architectures": ["LlamaForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
+    "bos_token_id": 128000, "eos_token_id": 128001, "head_dim": 64, "hidden_act": "silu",
+    "hidden_size": 2048, "initializer_range": 0.02, "intermediate_size": 8192,
+    "max_position_embeddings": 131072, "mlp_bias": False, "model_type": "llama",
+    "num_attention_heads": 32, "num_hidden_layers": 16, "num_key_value_heads": 8,
+    "rms_norm_eps": 1e-05,
+    "rope_scaling": {"factor": 32.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
+                     "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+    "rope_theta": 500000.0, "tie_word_embeddings": True, "torch_dtype": "bfloat16",
+    "vocab_size": 128256,
+}
+
+
+def test_llama_3_2_1b_is_the_published_config(tmp_path):
+    """transformers reads the preset and the published file to the same configuration."""
+    (tmp_path / "config.json").write_text(json.dumps(LLAMA_3_2_1B_PUBLISHED))
+    published = AutoConfig.from_pretrained(str(tmp_path))
+    preset = AutoConfig.from_pretrained(str(presets_module.PRESETS_DIR / "llama-3.2-1b"))
+    assert preset.rope_parameters == published.rope_parameters
+    assert preset.rope_parameters["rope_type"] == "llama3"
+    keys = set(LLAMA_3_2_1B_PUBLISHED) - {"rope_scaling", "rope_theta", "torch_dtype"}
+    assert {k: getattr(preset, k) for k in keys} == {k: getattr(published, k) for k in keys}
+    assert str(preset.dtype).removeprefix("torch.") == "bfloat16"
 
 
 def test_smollm2_special_tokens_and_rms_eps():
@@ -177,3 +215,25 @@ def test_unimplemented_architecture_refused_for_running(tmp_path):
     raw, _ = FOREIGN["mamba"]
     with pytest.raises(ValueError, match="runnerlab implements neither runner for MambaForCausalLM"):
         EngineArgs(model=str(_write(tmp_path, raw, True)), device="cpu").create_engine_config()
+
+
+@pytest.mark.parametrize("runner", ["v1", "v2"])
+def test_draft_preset_runs_like_transformers(tmp_path, runner):
+    """tiny-llama-draft is a model both runners load and run: its greedy tokens are those
+    of transformers on the same (materialised, seeded) weights."""
+    from shared.contract.sampling_params import SamplingParams
+    from shared.harness.hf_reference import HFGreedy, materialize_checkpoint
+    from shared.serving.engine import LLMEngine
+
+    path = materialize_checkpoint("tiny-llama-draft", 3, str(tmp_path / "draft"))
+    prompt = [5, 17, 301, 42, 7]
+    expected, _ = HFGreedy(path, "float64", "cpu").generate(prompt, 6)
+    engine = LLMEngine.from_engine_args(EngineArgs(
+        model=path, device="cpu", dtype="float64", model_runner=runner, max_model_len=64,
+        num_gpu_blocks_override=16))
+    engine.add_request("r", prompt, SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
+    tokens = None
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            tokens = out.outputs[0].token_ids
+    assert tokens == expected

@@ -73,8 +73,9 @@ CASES = [
 
 @pytest.fixture
 def v1_only_feature(monkeypatch):
-    """A feature only V1 supports: the real table has none since V2 got piecewise graphs,
-    so this row restores the table as it stood before (cudagraph_mode='PIECEWISE' V1-only),
+    """A feature only V1 supports, independent of the real table's rows (whose one
+    V1-only row, ngram speculative decoding, has its own tests in test_speculative.py):
+    cudagraph_mode='PIECEWISE' V1-only, as the table stood before V2 got piecewise graphs,
     for the fallback rule and its messages."""
     extra = Feature(V1_ONLY, SUPPORTED, UNSUPPORTED, "cudagraph_mode='auto'",
                     lambda s: s["cudagraph_mode"] == "PIECEWISE", "test")
@@ -161,7 +162,8 @@ V2_ONLY = "v2-only test feature"
 
 @pytest.fixture
 def v2_only_feature(monkeypatch):
-    """A feature only V2 supports (the real table has none yet): the forcing rule."""
+    """A feature only V2 supports, independent of the real table's rows (block
+    verification is tested in test_speculative.py): the forcing rule."""
     extra = Feature(V2_ONLY, UNSUPPORTED, SUPPORTED, "test_feature=False",
                     lambda s: False, "test")
     monkeypatch.setattr(feature_table, "FEATURES", feature_table.FEATURES + (extra,))
@@ -178,6 +180,18 @@ def test_forcing_rule_loses_to_env_and_argument(v2_only_feature):
     for kwargs in ({"env_use_v2": False}, {"model_runner": "v1"}):
         with pytest.raises(RunnerSelectionError, match=V2_ONLY):
             decide_runner(DENSE, [V2_ONLY], **kwargs)
+
+
+@pytest.mark.parametrize("kwargs", [{}, {"env_use_v2": True}, {"env_use_v2": False},
+                                    {"model_runner": "v1"}, {"model_runner": "v2"}])
+def test_features_that_split_the_runners_are_an_error_whatever_the_source(
+        v1_only_feature, v2_only_feature, kwargs):
+    with pytest.raises(RunnerSelectionError) as err:
+        decide_runner(DENSE, [V2_ONLY, V1_ONLY], **kwargs)
+    assert str(err.value) == (
+        f"No model runner supports {V1_ONLY} together with {V2_ONLY}: {V1_ONLY} is supported "
+        f"only by V1, {V2_ONLY} only by V2; drop one side: set cudagraph_mode='auto' or "
+        "test_feature=False.")
 
 
 def test_forced_v2_without_triton_is_an_error(monkeypatch, v2_only_feature):

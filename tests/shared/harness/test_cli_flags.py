@@ -36,7 +36,7 @@ def _one_line_error(capsys, prog: str) -> str:
     (["--prompt-ids", "1", "--gpu-memory-utilization", "0.5"],
      "--gpu-memory-utilization has no effect on the CPU"),
     (["--prompt-ids", "1", "--speculative-config", '{"method": 5}'],
-     "speculative_config.method: Input should be a valid string (got 5)"),
+     "speculative_config.method: Input should be 'ngram' or 'draft_model' (got 5)"),
 ])
 def test_generate_refusals(argv, expected, capsys) -> None:
     assert cli_main(GENERATE + argv) == 2
@@ -110,7 +110,8 @@ def test_kv_too_small_on_cpu_through_the_cli(capsys) -> None:
 
 def test_validation_errors_become_one_line() -> None:
     with pytest.raises(ValueError) as exc:
-        EngineArgs(model="tiny-llama", speculative_config={"method": 5})
+        EngineArgs(model="tiny-llama", speculative_config={"method": 5, "num_speculative_tokens": 2})
     assert "\n" in str(exc.value)  # pydantic's own text spans lines
-    assert one_line(exc.value) == "speculative_config.method: Input should be a valid string (got 5)"
+    assert one_line(exc.value) == ("speculative_config.method: Input should be 'ngram' or "
+                                   "'draft_model' (got 5)")
     assert one_line("a\n  b") == "a b"

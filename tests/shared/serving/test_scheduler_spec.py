@@ -176,8 +176,8 @@ def test_drafts_are_trimmed_to_max_tokens_and_max_model_len():
     assert runner.max_blocks_held == 3
 
 
-def test_async_scheduling_with_spec_decode_is_refused():
-    with pytest.raises(ValueError, match="async_scheduling=True with speculative decoding"):
+def test_async_scheduling_with_host_drafts_is_refused():
+    with pytest.raises(ValueError, match="async_scheduling=True with speculative decoding needs"):
         Scheduler(max_num_seqs=2, max_num_batched_tokens=8, max_model_len=8, num_blocks=8,
                   block_size=4, enable_prefix_caching=False, async_scheduling=True,
                   num_speculative_tokens=2)

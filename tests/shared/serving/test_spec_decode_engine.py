@@ -1,0 +1,147 @@
+"""Speculative decoding end to end (CPU, float64, tiny-llama), both runners.
+
+Oracles:
+- greedy: with any proposer and any k, every request's tokens and finish reason equal
+  the plain (non-speculative) V1 engine's on every scenario of the differential library;
+  the plain engine itself equals Hugging Face greedy (tests/shared/serving/test_hf_greedy.py).
+- seeded sampling: V1 and V2 with the same draft model give the same tokens.
+- the proposals were really used: drafts were verified, some accepted and (with a weak
+  draft) some rejected, so the comparison is not vacuous.
+Scenario requests lose what the rejection samplers refuse (logprobs, penalties,
+min_tokens: EngineInputError with speculative decoding, checked below).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from shared.contract.sampling_params import SamplingParams
+from shared.harness.diff import DiffSetup, build_engine
+from shared.harness.hf_reference import materialize_checkpoint
+from shared.harness.scenario_run import run_scenario
+from shared.harness.scenarios import SCENARIOS, Add, Scenario, build_scenario
+from shared.serving.engine import EngineInputError
+
+SEED = 0
+VOCAB = 512
+
+# (runner, speculative_config): the draft "self" is the target's own checkpoint (its greedy
+# drafts are almost always accepted); tiny-llama-draft is a different random model (its
+# drafts are almost always rejected)
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
+         "prompt_lookup_max": 3}
+CONFIGS = {
+    "v1-ngram-k3": ("v1", NGRAM),
+    "v1-ngram-k1": ("v1", {**NGRAM, "num_speculative_tokens": 1}),
+    "v2-self-k3": ("v2", {"method": "draft_model", "model": "SELF", "num_speculative_tokens": 3}),
+    "v2-weak-k2": ("v2", {"method": "draft_model", "model": "tiny-llama-draft",
+                          "num_speculative_tokens": 2}),
+}
+
+
+def spec_compatible(scenario: Scenario) -> Scenario:
+    """The scenario without logprobs, penalties and min_tokens (refused with spec decode)."""
+    def strip(p: SamplingParams) -> SamplingParams:
+        return dataclasses.replace(p, logprobs=None, presence_penalty=0.0, frequency_penalty=0.0,
+                                   repetition_penalty=1.0, min_tokens=0)
+    actions = [Add(a.request_id, a.prompt_token_ids, strip(a.params)) if isinstance(a, Add) else a
+               for a in scenario.actions]
+    return dataclasses.replace(scenario, actions=actions)
+
+
+@pytest.fixture(scope="module")
+def llama_dir(tmp_path_factory) -> str:
+    return materialize_checkpoint("tiny-llama", SEED, str(tmp_path_factory.mktemp("tiny-llama")))
+
+
+@pytest.fixture(scope="module")
+def setup(llama_dir) -> DiffSetup:
+    return DiffSetup("tiny-llama", llama_dir, "float64", "cpu", SEED, ["v1", "v2"])
+
+
+def spec_kwargs(config: str, llama_dir: str) -> tuple[str, dict]:
+    runner, spec = CONFIGS[config]
+    if spec.get("model") == "SELF":
+        spec = {**spec, "model": llama_dir}
+    return runner, spec
+
+
+@pytest.fixture(scope="module")
+def plain_runs(setup) -> dict:
+    runs = {}
+    for name in SCENARIOS:
+        scenario = spec_compatible(build_scenario(name, SEED, VOCAB))
+        runs[name] = run_scenario(build_engine(setup, "v1", scenario.engine_kwargs()), scenario)
+    return runs
+
+
+GREEDY = [n for n in SCENARIOS if build_scenario(n, SEED, VOCAB).greedy]
+
+
+@pytest.mark.parametrize("config", list(CONFIGS))
+@pytest.mark.parametrize("name", GREEDY)
+def test_greedy_spec_decode_equals_plain_greedy(setup, llama_dir, plain_runs, config, name):
+    scenario = spec_compatible(build_scenario(name, SEED, VOCAB))
+    runner, spec = spec_kwargs(config, llama_dir)
+    engine = build_engine(setup, runner, {**scenario.engine_kwargs(), "speculative_config": spec})
+    assert engine.runner_name == runner and engine.num_speculative_tokens == spec["num_speculative_tokens"]
+    run = run_scenario(engine, scenario)
+    ref = plain_runs[name]
+    assert run.missing_events(scenario.expects) == []
+    for label, rec in ref.requests.items():
+        got = run.requests[label]
+        if rec.finish_reason == "abort":  # an abort lands wherever the step boundary is
+            assert got.finish_reason == "abort", label
+            continue
+        assert (got.token_ids, got.finish_reason) == (rec.token_ids, rec.finish_reason), label
+    assert run.num_free_blocks == run.num_total_blocks
+
+
+@pytest.mark.parametrize("config", list(CONFIGS))
+def test_the_drafts_were_really_verified(setup, llama_dir, config):
+    """The comparison above is not vacuous: every configuration drafts; the target's own
+    checkpoint as the draft is mostly accepted, the other random model mostly rejected."""
+    scenario = spec_compatible(build_scenario("padded_batch", SEED, VOCAB))
+    runner, spec = spec_kwargs(config, llama_dir)
+    engine = build_engine(setup, runner, {**scenario.engine_kwargs(), "speculative_config": spec})
+    run_scenario(engine, scenario)
+    stats = engine.spec_decode_stats
+    assert stats.num_draft_tokens > 0
+    rate = stats.acceptance_rate
+    if config == "v2-self-k3":
+        assert rate > 0.8
+    elif config == "v2-weak-k2":
+        assert rate < 0.5
+    else:  # ngram on a random model: some of each
+        assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens
+
+
+@pytest.mark.parametrize("method", ["standard", "synthetic"])
+def test_seeded_spec_decode_v1_equals_v2(setup, llama_dir, method):
+    pytest.importorskip("runner_v1.spec_decode.draft_proposer")
+    scenario = spec_compatible(build_scenario("seeded_sampling", SEED, VOCAB))
+    spec = {"method": "draft_model", "model": "tiny-llama-draft", "num_speculative_tokens": 2,
+            "rejection_sample_method": method}
+    if method == "synthetic":
+        spec["synthetic_acceptance_rates"] = [0.7, 0.5]
+    runs = {}
+    for runner in ("v1", "v2"):
+        engine = build_engine(setup, runner, {**scenario.engine_kwargs(), "speculative_config": spec})
+        runs[runner] = run_scenario(engine, scenario)
+    assert runs["v1"].requests == runs["v2"].requests
+
+
+@pytest.mark.parametrize("bad", [dict(logprobs=1), dict(repetition_penalty=1.2), dict(min_tokens=2)])
+def test_refused_params_fail_alone(setup, bad):
+    engine = build_engine(setup, "v1", {"speculative_config": NGRAM})
+    engine.add_request("ok", [5, 6, 7, 5, 6], SamplingParams(max_tokens=6, temperature=0.0))
+    with pytest.raises(EngineInputError, match="with speculative decoding is not supported yet"):
+        engine.add_request("bad", [5, 6], SamplingParams(max_tokens=4, temperature=0.0, **bad))
+    outputs = []
+    while engine.has_unfinished_requests():
+        outputs += engine.step()
+    done = [o for o in outputs if o.finished]
+    assert [o.request_id for o in done] == ["ok"] and len(done[0].outputs[0].token_ids) == 6
+    assert done[0].spec_decode_stats is not None
