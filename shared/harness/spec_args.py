@@ -27,9 +27,9 @@ SPEC = "spec"
 SPEC_FLAGS = {"spec_configs": "--spec-configs", "spec_batch": "--spec-batch",
               "spec_prompt_len": "--spec-prompt-len", "spec_max_tokens": "--spec-max-tokens",
               "spec_temperature": "--spec-temperature"}
-# The scheduler refuses async scheduling with speculative decoding (the accepted count in
-# flight is unknown to it), so every engine of the workload, the baselines included (a
-# speedup compares one loop with itself), runs the sync loop.
+# Every engine of the workload runs the sync loop, the baselines included (a speedup
+# compares one loop with itself): it is the one loop both runners run with speculative
+# decoding (the scheduler refuses V1 async with it: V1's drafts live on the host).
 SPEC_ENGINE_LOOP = "sync"
 DEFAULT_NUM_SPECULATIVE_TOKENS = (1, 2, 3, 4)
 EXAMPLE = ('[{"method": "ngram", "num_speculative_tokens": 2}, {"method": "draft_model", '
@@ -196,8 +196,8 @@ def spec_loop_refusal(requested: str, workloads: list[str]) -> str | None:
     asked for by name, and `both` when nothing else would run under async."""
     if SPEC not in workloads:
         return None
-    why = ("the spec workload runs only under the sync loop (the scheduler refuses async "
-           "scheduling with speculative decoding)")
+    why = ("the spec workload runs only under the sync loop (the one loop both runners run "
+           "with speculative decoding, so that V1, V2 and their baselines compare alike)")
     if requested == "async":
         return (f"the async engine loop (--engine-loop async or --async-scheduling): {why}; "
                 "use --engine-loop sync or both, or leave it out")

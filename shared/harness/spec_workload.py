@@ -211,6 +211,7 @@ def _run_config(args: argparse.Namespace, settings: dict, label: str, config: di
     results: dict[str, list[wl.RunResult]] = {r: [] for r in engines}
     run_s: dict[str, list[float]] = {r: [] for r in engines}
     slug = re.sub(r"[^A-Za-z0-9.=_-]+", "_", label)
+    built_with = {r: _engine_info(e) for r, e in engines.items()}
     try:
         for runner in list(engines):
             try:
@@ -239,9 +240,17 @@ def _run_config(args: argparse.Namespace, settings: dict, label: str, config: di
             entry[runner] = status[runner]
             continue
         entry[runner] = _summary(results[runner], config is not None)
+        entry[runner]["engine"] = built_with[runner]
         tokens[runner] = [{k.rsplit("-", 1)[-1]: v for k, v in r.tokens.items()}
                           for r in results[runner]]
     return entry, tokens
+
+
+def _engine_info(engine: LLMEngine) -> dict:
+    """What the engine was built with: set-up times, and the KV blocks it found room for
+    (a shortfall beside the baseline's would show memory the freed engines kept)."""
+    return {"startup_s": round(engine.startup_s, 3), "graph_capture_s": round(engine.capture_s, 3),
+            "kv_blocks": len(engine.scheduler.kv_cache_manager.blocks)}
 
 
 def _summary(results: list[wl.RunResult], speculative: bool) -> dict:
@@ -341,8 +350,8 @@ def run_spec(args: argparse.Namespace, settings: dict, report: dict | None,
     report.setdefault("warnings", [])
     if report.get("engine_loops") != [SPEC_ENGINE_LOOP]:
         report["warnings"].append(
-            "the spec workload's engines (and their baselines) ran the sync loop: the "
-            "scheduler refuses async scheduling with speculative decoding")
+            "the spec workload's engines (and their baselines) ran the sync loop: the one "
+            "loop both runners run with speculative decoding")
     baseline, base_tokens = _run_config(args, settings, BASELINE, None, bar, built)
     # the runners' plain samplers are bit-identical, seeded or greedy
     baseline["token_checks"], baseline["mismatches"] = token_checks(

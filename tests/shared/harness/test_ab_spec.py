@@ -69,6 +69,7 @@ def test_spec_run_writes_an_entry_per_config_beside_the_baselines(spec_run) -> N
             assert stats["speedup"] == pytest.approx(tps / base_tps)
             assert stats["baseline_output_tokens_per_s"] == base_tps
             assert stats["baseline_forward_gpu_ms"] == base.get("forward_gpu_ms", {}).get("median")
+            assert stats["engine"]["kv_blocks"] > 0 and stats["engine"]["startup_s"] > 0
             assert set(stats["acceptance"]) == {
                 "num_drafts", "num_draft_tokens", "num_accepted_tokens", "acceptance_rate",
                 "mean_acceptance_length", "acceptance_rate_per_position"}
