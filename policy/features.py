@@ -108,6 +108,14 @@ FEATURES: tuple[Feature, ...] = (
         "keeps placeholders on the host until they land; V2 reads them on the device",
     ),
     Feature(
+        "async scheduling with speculative decoding", UNSUPPORTED, SUPPORTED,
+        "async_scheduling=False",
+        lambda s: bool(s["async_scheduling"]) and s["speculative_config"] is not None,
+        "vLLM's V1 plans ahead with optimistic placeholders and corrections; here V1's "
+        "drafts are made on the host from landed tokens, so only V2 (drafts on the "
+        "device, accepted counts read on the device) schedules ahead of them",
+    ),
+    Feature(
         "tensor parallelism > 1", UNSUPPORTED, UNSUPPORTED, "tensor_parallel_size=1",
         lambda s: s["tensor_parallel_size"] > 1,
         "both runners",

@@ -61,7 +61,8 @@ class ScenarioRun:
             )
             counts["resubmit_same_step"] += s.resubmitted
             counts["finish_and_add_same_step"] += bool(s.finished and s.num_new > s.resubmitted)
-            uniform_decode = s.num_tokens > 0 and s.decodes == s.num_reqs == s.num_tokens
+            # every row past its prefill: one token each, or 1 + k with drafts
+            uniform_decode = s.num_tokens > 0 and s.decodes == s.num_reqs
             counts["decode_batch_shrink"] += bool(
                 uniform_decode and previous is not None and s.num_reqs < previous.num_reqs
             )

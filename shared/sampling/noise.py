@@ -55,6 +55,21 @@ Why these choices:
 PyTorch evaluation: int64 tensors hold the 32-bit words; a product of two words can
 exceed 2**63 and wraps (two's complement), so masking with 0xFFFFFFFF after each
 multiply recovers the exact low 32 bits. Shifts only ever see non-negative values.
+
+Salted streams (speculative decoding). Verification draws, besides the per-token noise
+above, one acceptance uniform per logit row, and a draft model samples its own tokens;
+each gets its own stream by xor-ing a salt into the seed:
+    acceptance_uniform(seed, pos, offset) = u(seed ^ ACCEPT_SALT, pos, vocab_id = offset)
+    a draft model's noise                 = the noise above with seed ^ DRAFT_SALT
+Why salts: rejection sampling needs the draft proposal, the acceptance uniform and the
+recovery draw to be independent. With one stream they read the same random numbers:
+the accept decision correlates with the draft token it judges, and the recovery draw
+(the residual race at a rejecting row, keyed (seed, pos) like normal sampling) re-reads
+the noise that chose the rejected draft, so the output leans towards the draft's
+favourites (vLLM #47386: the draft's Gumbel noise was keyed by the same Philox offset as
+the acceptance uniform and the recovery noise). The salts are distinct odd constants
+below 2**62, so seed ^ salt stays in [0, 2**63) (the seed's domain) and changes both
+32-bit words of the seed.
 """
 
 from __future__ import annotations
@@ -109,6 +124,22 @@ def uniform(
     return (2 * m + 1).to(torch.float64) * U_SCALE
 
 
+# Salts of the speculative-decoding streams (module docstring): odd, < 2**62, both words busy.
+ACCEPT_SALT = 0x2545F4914F6CDD1D
+DRAFT_SALT = 0x3C6EF372FE94F82B
+
+
+def acceptance_uniform(
+    seeds: torch.Tensor, positions: torch.Tensor, offsets: torch.Tensor | None = None
+) -> torch.Tensor:
+    """The acceptance uniform in (0, 1), float64: u(seed ^ ACCEPT_SALT, pos, offset), offset
+    0 by default (one per logit row); the arguments broadcast together."""
+    seeds = seeds.to(torch.int64) ^ ACCEPT_SALT
+    if offsets is None:
+        offsets = torch.zeros((), dtype=torch.int64, device=seeds.device)
+    return uniform(seeds, positions, offsets)
+
+
 # nlog's constants, as float64 bit patterns (the Triton twin spells the same bits)
 LN2_BITS = 0x3FE62E42FEFA39EF
 SQRT2_FRACTION = 0x6A09E667F3BCD  # the 52 fraction bits of float64(sqrt(2))
@@ -144,14 +175,22 @@ def nlog(x: torch.Tensor) -> torch.Tensor:
     return e * LN2 + (t + t)
 
 
+def exponential_noise(
+    seeds: torch.Tensor, positions: torch.Tensor, vocab_size: int
+) -> torch.Tensor:
+    """E = -nlog(u), float64 [N, vocab_size], Exponential(1)-distributed: the noise of the
+    exponential race (residual sampling: argmax r_v / E_v samples v with probability
+    proportional to r_v). The Gumbel noise is -nlog(E) of the same E."""
+    assert seeds.dim() == 1 and positions.shape == seeds.shape
+    ids = torch.arange(vocab_size, dtype=torch.int64, device=seeds.device)
+    return -nlog(uniform(seeds[:, None], positions[:, None], ids[None, :]))
+
+
 def torch_gumbel_noise(
     seeds: torch.Tensor, positions: torch.Tensor, vocab_size: int
 ) -> torch.Tensor:
     """Gumbel noise float64 [N, vocab_size] for rows (seeds[i], positions[i]), in torch ops."""
-    assert seeds.dim() == 1 and positions.shape == seeds.shape
-    ids = torch.arange(vocab_size, dtype=torch.int64, device=seeds.device)
-    u = uniform(seeds[:, None], positions[:, None], ids[None, :])
-    return -nlog(-nlog(u))
+    return -nlog(exponential_noise(seeds, positions, vocab_size))
 
 
 def gumbel_noise(

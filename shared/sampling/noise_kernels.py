@@ -3,7 +3,8 @@ kernel that writes the noise alone (V1 on CUDA, tests).
 
 Bit-identical to shared/sampling/noise.py, whose docstring is the spec: uint32 fmix32
 chains over (seed, pos, vocab id) -> u in (0, 1) from 52 bits -> -nlog(-nlog(u)) in
-float64, where nlog uses only correctly rounded operations. Kernels that call
+float64, where nlog uses only correctly rounded operations; the exponential noise
+-nlog(u) and the salted acceptance uniform of speculative decoding likewise. Kernels that call
 `gumbel_noise` must launch with enable_fp_fusion=False: a fused multiply-add would round
 once where the spec rounds twice.
 """
@@ -13,8 +14,10 @@ from __future__ import annotations
 import torch
 
 from shared.runtime.triton_utils import tl, triton
+from shared.sampling.noise import ACCEPT_SALT
 
 NOISE_BLOCK = 1024  # vocab block per program; also the interpreter's sweet spot
+_ACCEPT_SALT = tl.constexpr(ACCEPT_SALT)  # a kernel reads globals only as constexpr
 
 
 @triton.jit
@@ -75,14 +78,33 @@ def nlog(x):
 
 
 @triton.jit
-def gumbel_noise(lane_hi, lane_lo, vocab_ids):
-    """float64 Gumbel noise for the given vocab ids of one row."""
+def uniform(lane_hi, lane_lo, vocab_ids):
+    """float64 u in (0, 1) for the given vocab ids of one row."""
     ids = vocab_ids.to(tl.uint32)
     hi = fmix32(lane_hi ^ ids).to(tl.uint64)
     lo = fmix32(lane_lo ^ ids).to(tl.uint64)
     m = (hi << 20) | (lo >> 12)  # 52 bits
-    u = (m * 2 + 1).to(tl.float64) * f64(0x3CA0000000000000)  # 2**-53, exact
-    return -nlog(-nlog(u))
+    return (m * 2 + 1).to(tl.float64) * f64(0x3CA0000000000000)  # 2**-53, exact
+
+
+@triton.jit
+def exponential_noise(lane_hi, lane_lo, vocab_ids):
+    """E = -nlog(u), float64, Exponential(1): the noise of the exponential race."""
+    return -nlog(uniform(lane_hi, lane_lo, vocab_ids))
+
+
+@triton.jit
+def gumbel_noise(lane_hi, lane_lo, vocab_ids):
+    """float64 Gumbel noise for the given vocab ids of one row."""
+    return -nlog(exponential_noise(lane_hi, lane_lo, vocab_ids))
+
+
+@triton.jit
+def acceptance_uniform(seed, pos, offset):
+    """The acceptance uniform u(seed ^ ACCEPT_SALT, pos, vocab_id = offset), float64; the
+    twin of shared.sampling.noise.acceptance_uniform (offset may be a block of ids)."""
+    lane_hi, lane_lo = row_lanes(seed ^ _ACCEPT_SALT, pos)
+    return uniform(lane_hi, lane_lo, offset)
 
 
 @triton.jit
@@ -112,4 +134,28 @@ def triton_gumbel_noise(
         return out
     grid = (n, triton.cdiv(vocab_size, block))
     _noise_kernel[grid](seeds, positions, out, vocab_size, BLOCK=block, enable_fp_fusion=False)
+    return out
+
+
+@triton.jit
+def _acceptance_kernel(seeds_ptr, pos_ptr, offsets_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    valid = offs < n
+    seed = tl.load(seeds_ptr + offs, mask=valid, other=0)
+    pos = tl.load(pos_ptr + offs, mask=valid, other=0)
+    u = acceptance_uniform(seed, pos, tl.load(offsets_ptr + offs, mask=valid, other=0))
+    tl.store(out_ptr + offs, u, mask=valid)
+
+
+def triton_acceptance_uniform(
+    seeds: torch.Tensor, positions: torch.Tensor, offsets: torch.Tensor, block: int = 128
+) -> torch.Tensor:
+    """float64 [N]: the device function `acceptance_uniform` elementwise (tests)."""
+    assert seeds.dtype == positions.dtype == offsets.dtype == torch.int64
+    assert seeds.dim() == 1 and positions.shape == seeds.shape == offsets.shape
+    n = seeds.shape[0]
+    out = torch.empty(n, dtype=torch.float64, device=seeds.device)
+    if n:
+        _acceptance_kernel[(triton.cdiv(n, block),)](
+            seeds, positions, offsets, out, n, BLOCK=block, enable_fp_fusion=False)
     return out

@@ -51,6 +51,11 @@ def _fmix32(h: np.ndarray) -> np.ndarray:
 
 def reference_noise(seed: int, pos: int, vocab_ids: np.ndarray) -> np.ndarray:
     """Gumbel noise float64 for one row; see shared/sampling/noise.py for the spec."""
+    return -reference_nlog(-reference_nlog(reference_uniform(seed, pos, vocab_ids)))
+
+
+def reference_uniform(seed: int, pos: int, vocab_ids: np.ndarray) -> np.ndarray:
+    """The noise's u in (0, 1), float64, for one row (the step before the logs)."""
     ids = np.asarray(vocab_ids, dtype=np.uint64)
     seed_lo = np.full(1, seed & 0xFFFFFFFF, dtype=np.uint64)
     seed_hi = np.full(1, seed >> 32, dtype=np.uint64)
@@ -63,8 +68,7 @@ def reference_noise(seed: int, pos: int, vocab_ids: np.ndarray) -> np.ndarray:
         return _fmix32(h ^ ids)
 
     m = (word(0x9E3779B9) << np.uint64(20)) | (word(0x7F4A7C15) >> np.uint64(12))
-    u = (2 * m + 1).astype(np.float64) * 2.0**-53
-    return -reference_nlog(-reference_nlog(u))
+    return (2 * m + 1).astype(np.float64) * 2.0**-53
 
 
 def reference_nlog(x: np.ndarray) -> np.ndarray:

@@ -35,6 +35,9 @@ SUPPORTED_BY = {
     # "both runners": V1 scatters the previous step's device tokens into its input ids
     # (placeholders on the host until they land), V2 keeps them on the device
     "async scheduling": {"v1", "v2"},
+    # V2 only: its drafts and accepted counts stay on the device, so the next step can be
+    # planned before they land; V1 proposes from the host token table after the sync
+    "async scheduling with speculative decoding": {"v2"},
     # one process, one device: no parallelism on either runner
     "tensor parallelism > 1": set(),
     "pipeline parallelism > 1": set(),
@@ -69,6 +72,8 @@ SETTINGS = {
     "cudagraph_mode='PIECEWISE'": {"cudagraph_mode": "PIECEWISE"},
     "cudagraph_mode='FULL_AND_PIECEWISE'": {"cudagraph_mode": "FULL_AND_PIECEWISE"},
     "async scheduling": {"async_scheduling": True},
+    "async scheduling with speculative decoding": {"async_scheduling": True,
+                                                   "speculative_config": DRAFT},
     "tensor parallelism > 1": {"tensor_parallel_size": 2},
     "pipeline parallelism > 1": {"pipeline_parallel_size": 2},
 }
@@ -351,6 +356,17 @@ def _run_block(monkeypatch):
     assert stats.acceptance_rate > 0.5  # the target's own q: block accepts nearly all
 
 
+def _run_async_spec(monkeypatch):
+    for spec in (SELF_DRAFT, WEAK_DRAFT):
+        engine = _engine(model_runner="v2", async_scheduling=True, speculative_config=spec, **SPEC)
+        tokens, stats = _spec_generate(engine, sampled=False)
+        assert tokens == _plain() and stats.num_draft_tokens > 0
+        # seeded sampling: what the synchronous engine samples
+        sampled = _spec_generate(_engine(model_runner="v2", async_scheduling=True,
+                                         speculative_config=spec, **SPEC), sampled=True)[0]
+        assert sampled == _spec("v2", sampled=True, **spec)[0]
+
+
 RUNS = {
     **{("cudagraph_mode='PIECEWISE'", r): _run_piecewise(r) for r in ("v1", "v2")},
     **{("cudagraph_mode='FULL_AND_PIECEWISE'", r): _run_full_and_piecewise(r) for r in ("v1", "v2")},
@@ -361,6 +377,7 @@ RUNS = {
     **{("rejection_sample_method='standard'", r): _run_standard(r) for r in ("v1", "v2")},
     **{("rejection_sample_method='synthetic'", r): _run_synthetic(r) for r in ("v1", "v2")},
     ("rejection_sample_method='block'", "v2"): _run_block,
+    ("async scheduling with speculative decoding", "v2"): _run_async_spec,
 }
 SUPPORTED_PAIRS = [(f.label, r) for f in FEATURES for r in ("v1", "v2") if f.status(r) == SUPPORTED]
 def test_every_supported_feature_has_a_run():
