@@ -125,15 +125,16 @@ class V2DraftProposer:
         temperature = states.temperature.index_select(0, rows)
         seeds = states.seeds.index_select(0, rows)
         pos = positions.index_select(0, last)
+        first = pos  # the noise of every draft of this proposal is keyed by it
         want_probs = draft_probs is not None
         logits = self.executor.compute_logits(hidden.index_select(0, last))
-        tokens, q = sample_draft(logits, temperature, seeds, pos, want_probs)
+        tokens, q = sample_draft(logits, temperature, seeds, first, 0, want_probs)
         self._store(draft_tokens, draft_probs, rows, 0, tokens, q)
         tables = batch.block_table.index_select(0, sel)
         for i in range(1, self.k):  # draft positions, not tokens: k <= 16
             hidden, pos = self._decode_forward(rows, pos, tokens, tables, block_table, int(sampled.size))
             logits = self.executor.compute_logits(hidden)
-            tokens, q = sample_draft(logits, temperature, seeds, pos, want_probs)
+            tokens, q = sample_draft(logits, temperature, seeds, first, i, want_probs)
             self._store(draft_tokens, draft_probs, rows, i, tokens, q)
 
     @staticmethod

@@ -118,7 +118,7 @@ def graph_sizes(config: EngineConfig, on_cuda: bool, backend: Any, label: str) -
             "; piecewise graphs cover every batch that fits" if piecewise_enabled else "",
         )
     full_enabled = wants_full and backend.supports_full_cudagraph
-    spec = config.speculative_config
+    spec = getattr(config, "speculative_config", None)
     spec_query_len = 0 if spec is None else 1 + spec.num_speculative_tokens
     spec_sizes = [s for s in full_sizes if s * spec_query_len <= sc.max_num_batched_tokens]
     return GraphSizes(full_sizes, piecewise_sizes, full_enabled, piecewise_enabled,

@@ -83,9 +83,6 @@ LANE_KEY_HI = 0x9E3779B9
 LANE_KEY_LO = 0x7F4A7C15
 # u = (2m + 1) * U_SCALE with m < 2**52
 U_SCALE = 2.0**-53
-# XORed into a request's seed for its draft model's noise (shared/sampling/draft_sampling.py).
-# Placeholder on this branch so sample_draft imports; the lead takes the other session's.
-DRAFT_SALT = 0x2545F4914F6CDD1D
 
 
 def fmix32(h: torch.Tensor) -> torch.Tensor:

@@ -248,8 +248,9 @@ class Sim:
         temperature = torch.tensor([req.temperature], dtype=torch.float32)
         for j in range(cap):  # random: each draft is sample_draft's on the oracle's logits
             logits = hf_logits(self.oracle, tokens + proposal[:j])[-1]
+            # keyed by the proposal's first position and the draft's index
             token, _ = sample_draft(logits[None], temperature, torch.tensor([req.seed]),
-                                    torch.tensor([known - 1 + j]))
+                                    torch.tensor([known - 1]), j)
             assert int(token) == proposal[j], (req.state.req_id, self.steps, j)
             q.append(softmax(logits.numpy() / np.float64(temperature.item())))
         if cap:

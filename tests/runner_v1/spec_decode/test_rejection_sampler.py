@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from runner_v1.sampling_metadata import SamplingMetadata
-from runner_v1.spec_decode import rejection_sample
+from runner_v1.spec_decode.rejection_sampler import rejection_sample
 from shared.contract.sampler_output import RejectionOutput
 from shared.contract.sampling_params import SamplingParams
 from tests.oracles.rejection_reference import (

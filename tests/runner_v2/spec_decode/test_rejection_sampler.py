@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from runner_v2.sample import SamplingStates
-from runner_v2.spec_decode import rejection_sample
+from runner_v2.spec_decode.rejection_sampler import rejection_sample
 from shared.contract.sampler_output import RejectionOutput
 from shared.contract.sampling_params import SamplingParams
 from tests.oracles import rejection_reference

@@ -25,6 +25,7 @@ from shared.attention.triton_backend import TritonBackend
 from shared.runtime.cudagraph_utils import (
     BatchDescriptor,
     capture_full_graphs,
+    dispatch_graph,
     is_uniform_decode,
     padded_size,
 )
@@ -279,3 +280,27 @@ def test_full_capture_warms_up_then_records_only_the_forward_largest_size_first(
         events.clear()
         graph.replay()  # replays the forward over the inputs of the capture
         assert events == [("forward", desc.num_tokens, f"metadata {desc.num_tokens}", "eager")]
+
+
+# ---- speculative verifies: FULL graphs of 1 + k tokens per request ---------------------
+
+
+@given(st.lists(st.integers(0, 4), min_size=1, max_size=12))
+def test_uniform_verifies_take_the_spec_graphs_and_nothing_else_does(drafts):
+    """A plain model of the rule: FULL (size * q, size, q) iff every row has the same q,
+    q is the configured 1 + k and a spec size holds the rows; a uniform plain decode takes
+    the plain FULL graphs; anything else piecewise (or eager past the sizes)."""
+    k, full, piecewise, spec = 3, [1, 2, 4, 8], [8, 16, 32, 64], [1, 2, 4]
+    q = [1 + d for d in drafts]
+    n, t, m = len(q), sum(q), max(q)
+    desc = dispatch_graph(n, t, m, full, piecewise, spec, 1 + k)
+    if all(x == 1 for x in q) and n <= full[-1]:
+        size = next(s for s in full if s >= n)
+        assert desc == BatchDescriptor("FULL", size, size)
+    elif all(x == 1 + k for x in q) and n <= spec[-1]:
+        size = next(s for s in spec if s >= n)
+        assert desc == BatchDescriptor("FULL", size * (1 + k), size, 1 + k)
+    elif t <= piecewise[-1]:
+        assert desc == BatchDescriptor("PIECEWISE", next(s for s in piecewise if s >= t), None)
+    else:
+        assert desc is None

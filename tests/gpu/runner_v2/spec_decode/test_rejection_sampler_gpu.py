@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 import torch
 
-from runner_v1.spec_decode import rejection_sample as v1_rejection_sample
-from runner_v2.spec_decode import rejection_sample
+from runner_v1.spec_decode.rejection_sampler import rejection_sample as v1_rejection_sample
+from runner_v2.spec_decode.rejection_sampler import rejection_sample
 from tests.gpu.runner_v2.test_sampler_gpu import _to_cuda
 from tests.oracles.rejection_reference import SpecRequest
 from tests.runner_v1.spec_decode.test_rejection_sampler import (
