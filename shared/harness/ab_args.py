@@ -28,10 +28,10 @@ from shared.harness.spec_args import (
     CPU_SPEC_SIZES,
     GPU_SPEC_SIZES,
     SPEC,
-    SPEC_ENGINE_LOOP,
+    SpecLoop,
     add_spec_args,
+    spec_engine_loop,
     spec_flag_refusal,
-    spec_loop_refusal,
     spec_settings,
 )
 
@@ -150,7 +150,7 @@ def _settings(args: argparse.Namespace, device: str, runners: list[str],
         "defaults_note": _cpu_default_note(args, sizes, workloads) if sizes is CPU_SIZES else None,
     }
     if SPEC in workloads:
-        settings[SPEC] = spec_settings(args, device)
+        settings[SPEC] = spec_settings(args, device, loops.spec)
     return settings
 
 
@@ -333,6 +333,7 @@ class EngineLoops:
     loops: tuple[str, ...]  # ("sync",), ("async",) or ("sync", "async")
     requested: str  # "default" or the --engine-loop value (--async-scheduling: "async")
     warning: str | None = None  # the default fell back to sync: which runner forced it
+    spec: SpecLoop | None = None  # the spec workload's loop, when it runs
 
 
 def async_capable(runner: str) -> bool:
@@ -344,15 +345,18 @@ def resolve_engine_loops(args: argparse.Namespace, runners: list[str]) -> Engine
     """--engine-loop (or the engine flag --[no-]async-scheduling, which must agree with it)
     against what each runner can run. Every runner runs the same loop: a runner that
     cannot run async scheduling makes the default sync and refuses async and both. The
-    spec workload runs sync only: alone, it makes the run's loop sync."""
+    spec workload runs one loop (spec_args.spec_engine_loop); alone, it is the run's."""
     requested, source = _requested_loop(args)
-    refusal = spec_loop_refusal(requested, args.workloads or [])
-    if refusal:
-        raise Refused(refusal)
     loops = _runner_loops(requested, source, runners)
-    if args.workloads == [SPEC]:  # (its engines are the report's: spec_workload.run_spec)
-        return EngineLoops((SPEC_ENGINE_LOOP,), loops.requested)
-    return loops
+    workloads = args.workloads or []
+    if SPEC not in workloads:
+        return loops
+    spec = spec_engine_loop(requested, runners, alone=workloads == [SPEC])
+    if spec.refusal:
+        raise Refused(spec.refusal)
+    if workloads == [SPEC]:  # (its engines are the report's: spec_workload.run_spec)
+        return EngineLoops((spec.loop,), loops.requested, spec.note, spec)
+    return dataclasses.replace(loops, spec=spec)
 
 
 def _runner_loops(requested: str | None, source: str, runners: list[str]) -> EngineLoops:

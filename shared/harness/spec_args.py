@@ -20,6 +20,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from policy import features
 from policy.cli_args import bounded_int, one_line
 
 SPEC = "spec"
@@ -27,10 +28,10 @@ SPEC = "spec"
 SPEC_FLAGS = {"spec_configs": "--spec-configs", "spec_batch": "--spec-batch",
               "spec_prompt_len": "--spec-prompt-len", "spec_max_tokens": "--spec-max-tokens",
               "spec_temperature": "--spec-temperature"}
-# Every engine of the workload runs the sync loop, the baselines included (a speedup
-# compares one loop with itself): it is the one loop both runners run with speculative
-# decoding (the scheduler refuses V1 async with it: V1's drafts live on the host).
-SPEC_ENGINE_LOOP = "sync"
+# Every engine of the workload runs one loop, the baselines included (a speedup compares
+# a loop with itself): async where every runner measured has it with speculative decoding
+# (these policy.features rows), else sync.
+ASYNC_FEATURES = ("async scheduling", "async scheduling with speculative decoding")
 DEFAULT_NUM_SPECULATIVE_TOKENS = (1, 2, 3, 4)
 EXAMPLE = ('[{"method": "ngram", "num_speculative_tokens": 2}, {"method": "draft_model", '
            '"model": "tiny-llama-draft", "num_speculative_tokens": 2}]')
@@ -156,7 +157,7 @@ def unique_labels(configs: list[dict[str, Any]]) -> list[str]:
     return labels
 
 
-def spec_settings(args: argparse.Namespace, device: str) -> dict[str, Any]:
+def spec_settings(args: argparse.Namespace, device: str, loop: SpecLoop) -> dict[str, Any]:
     """The spec workload's part of ab's settings (ab.json's settings["spec"])."""
     sizes = CPU_SPEC_SIZES if device != "cuda" else GPU_SPEC_SIZES
     if args.quick:  # the GPU keeps its prompt length, as the decode workload does
@@ -171,7 +172,8 @@ def spec_settings(args: argparse.Namespace, device: str) -> dict[str, Any]:
         "prompt_len": args.spec_prompt_len or sizes.prompt_len,
         "max_tokens": args.spec_max_tokens or sizes.max_tokens,
         "temperature": args.spec_temperature or 0.0,
-        "engine_loop": SPEC_ENGINE_LOOP,
+        "engine_loop": loop.loop,
+        "engine_loop_note": loop.note,
     }
 
 
@@ -191,16 +193,41 @@ def spec_flag_refusal(args: argparse.Namespace, workloads: list[str]) -> str | N
     return None
 
 
-def spec_loop_refusal(requested: str, workloads: list[str]) -> str | None:
-    """The spec workload runs the sync loop only (SPEC_ENGINE_LOOP): refuse an async loop
-    asked for by name, and `both` when nothing else would run under async."""
-    if SPEC not in workloads:
-        return None
-    why = ("the spec workload runs only under the sync loop (the one loop both runners run "
-           "with speculative decoding, so that V1, V2 and their baselines compare alike)")
-    if requested == "async":
-        return (f"the async engine loop (--engine-loop async or --async-scheduling): {why}; "
-                "use --engine-loop sync or both, or leave it out")
-    if requested == "both" and workloads == [SPEC]:
-        return f"--engine-loop both: {why} and no other workload was asked for; leave it out"
-    return None
+@dataclass(frozen=True)
+class SpecLoop:
+    """The spec workload's one engine loop; or the refusal of the loop asked for."""
+
+    loop: str | None  # "sync" | "async"; None when refused
+    note: str | None = None  # why it is not the loop the run's other engines run
+    refusal: str | None = None
+
+
+def spec_engine_loop(requested: str | None, runners: list[str], alone: bool) -> SpecLoop:
+    """The loop of the spec workload's engines from the loop asked for (None: the
+    default) and what each runner can run with speculative decoding. `alone`: no other
+    workload runs (the run's loop is then this one)."""
+    blocked = {r: next((f for f in ASYNC_FEATURES
+                        if features.feature(f).status(r) != features.SUPPORTED), None)
+               for r in runners}
+    unable = [r for r in runners if blocked[r]]
+    why = "" if not unable else (
+        f"{' and '.join(r.upper() for r in unable)} cannot run async scheduling with "
+        f"speculative decoding (policy.features '{blocked[unable[0]]}': "
+        f"{features.feature(blocked[unable[0]]).status(unable[0])})")
+    if requested == "async" and unable:
+        able = [r for r in runners if r not in unable]
+        return SpecLoop(None, refusal=(
+            f"the async engine loop (--engine-loop async or --async-scheduling): {why}, and "
+            "the spec workload runs every runner under one loop; use --engine-loop sync"
+            + (f", or --runners {','.join(able)}" if able else "")))
+    if requested == "both":
+        if alone:
+            return SpecLoop(None, refusal=(
+                "--engine-loop both: the spec workload runs one loop (its engines are built "
+                "config by config); give --engine-loop sync or async, or leave it out"))
+        return SpecLoop("sync", note="the spec workload ran its engines once, under the sync "
+                                     "loop (--engine-loop both runs the others under each)")
+    if requested is None and unable:
+        return SpecLoop("sync", note=f"the spec workload's engines, baselines included, ran "
+                                     f"the sync loop: {why}")
+    return SpecLoop(requested or "async")

@@ -7,7 +7,8 @@ warmed up (one short run, excluded), run A-B-B-A with the other runner's, and fr
 gc, torch.cuda.empty_cache) before the next config's are built, so that two engines of an
 8B model and its draft are all the device holds at once. The baselines
 (speculative_config=None, one per runner) are measured the same way, first. Every engine
-runs the sync loop (spec_args.SPEC_ENGINE_LOOP).
+runs one loop, settings["spec"]["engine_loop"] (spec_args.spec_engine_loop: async where
+every runner has it with speculative decoding, else sync).
 
 A run: --spec-batch requests of --spec-prompt-len random token ids, --spec-max-tokens
 output tokens each (ignore_eos), greedy or sampled with a seed per request. Per engine:
@@ -50,7 +51,7 @@ from shared.harness.ab_args import Refused, _engine_args, concurrency
 from shared.harness.ab_engines import free_engines, run_order
 from shared.harness.measure import StepSamples, decode_prompts, maybe_profile
 from shared.harness.report import median
-from shared.harness.spec_args import SPEC, SPEC_ENGINE_LOOP
+from shared.harness.spec_args import SPEC
 from shared.serving.engine import LLMEngine
 
 logger = logging.getLogger("runnerlab")
@@ -72,9 +73,9 @@ class _PolicyRefusal(Exception):
     """The engine configuration refused this runner for this config."""
 
 
-def first_line(exc: BaseException) -> str:
-    lines = str(exc).strip().splitlines()
-    return lines[0] if lines else type(exc).__name__
+def first_line(error: BaseException | str) -> str:
+    lines = str(error).strip().splitlines()
+    return lines[0] if lines else type(error).__name__
 
 
 # ------------------------------------------------------------------ checks before measuring
@@ -87,14 +88,15 @@ def check_spec_configs(args: argparse.Namespace, settings: dict) -> None:
     if SPEC not in settings["workloads"]:
         return
     runners, spec = settings["runners"], settings[SPEC]
-    _, base_blockers = _engine_args(args, runners[0], SPEC_ENGINE_LOOP).create_explain_config()
+    loop = spec["engine_loop"]
+    _, base_blockers = _engine_args(args, runners[0], loop).create_explain_config()
     for i, (label, config) in enumerate(zip(spec["labels"], spec["configs"])):
         where = f"--spec-configs config {i} ({label})"
         errors = []
         for runner in runners:
             try:
                 resolved, blockers = _engine_args(
-                    args, runner, SPEC_ENGINE_LOOP, speculative=config).create_explain_config()
+                    args, runner, loop, speculative=config).create_explain_config()
             except ValueError as exc:
                 raise Refused(f"{where}: {one_line(exc)}") from None
             new = [b for b in blockers if b not in base_blockers]
@@ -103,7 +105,7 @@ def check_spec_configs(args: argparse.Namespace, settings: dict) -> None:
             if resolved.runner_decision.error:
                 errors.append(resolved.runner_decision.error)
         if len(errors) == len(runners):
-            raise Refused(f"{where}: no runner measured here runs it: {first_line(ValueError(errors[0]))}")
+            raise Refused(f"{where}: no runner measured here runs it: {first_line(errors[0])}")
 
 
 # ------------------------------------------------------------------ one run
@@ -168,7 +170,7 @@ def _build(args: argparse.Namespace, settings: dict, runner: str,
            config: dict | None) -> LLMEngine:
     try:
         engine_config = _engine_args(
-            args, runner, SPEC_ENGINE_LOOP, concurrency(settings),
+            args, runner, settings[SPEC]["engine_loop"], concurrency(settings),
             num_engines=len(settings["runners"]), speculative=config).create_engine_config()
     except ValueError as exc:
         if config is None:
@@ -196,9 +198,13 @@ def _engines_for(args: argparse.Namespace, settings: dict,
 
 
 def _failed(exc: Exception, runner: str, config: dict | None) -> dict:
+    """The failure for the entry: its type, first line and, where the message runs on
+    (a Triton CompilationError's first line is only a source position), its last."""
     logger.error("spec workload: %s with speculative_config=%s failed", runner.upper(), config,
                  exc_info=exc)
-    return {"failed": f"{type(exc).__name__}: {first_line(exc)}"}
+    lines = [line.strip() for line in str(exc).strip().splitlines() if line.strip()]
+    words = first_line(exc) + (f" ... {lines[-1]}" if len(lines) > 1 else "")
+    return {"failed": f"{type(exc).__name__}: {words}"}
 
 
 def _run_config(args: argparse.Namespace, settings: dict, label: str, config: dict | None,
@@ -233,7 +239,7 @@ def _run_config(args: argparse.Namespace, settings: dict, label: str, config: di
     finally:
         free_engines(engines)
     entry: dict[str, Any] = {"label": label, "speculative_config": config,
-                             "engine_loop": SPEC_ENGINE_LOOP, "run_s": run_s}
+                             "engine_loop": s["engine_loop"], "run_s": run_s}
     tokens = {}
     for runner in runners:
         if runner in status:
@@ -347,11 +353,9 @@ def run_spec(args: argparse.Namespace, settings: dict, report: dict | None,
     if report is None:  # the head from the baselines, built (and measured) first anyway
         built = _engines_for(args, settings, None)
         report = make_head(built[0])
-    report.setdefault("warnings", [])
-    if report.get("engine_loops") != [SPEC_ENGINE_LOOP]:
-        report["warnings"].append(
-            "the spec workload's engines (and their baselines) ran the sync loop: the one "
-            "loop both runners run with speculative decoding")
+    note = s["engine_loop_note"]
+    if note and note not in report.setdefault("warnings", []):  # (alone: in the head already)
+        report["warnings"].append(note)
     baseline, base_tokens = _run_config(args, settings, BASELINE, None, bar, built)
     # the runners' plain samplers are bit-identical, seeded or greedy
     baseline["token_checks"], baseline["mismatches"] = token_checks(

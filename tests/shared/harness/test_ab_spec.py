@@ -8,13 +8,15 @@ mismatches."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import io
 import json
 
 import pytest
 import torch
 
-from shared.harness import spec_args
+from policy import features
+from shared.harness import spec_args, spec_workload
 from shared.harness.ab import ab_main
 from shared.harness.chart import build_figure
 from shared.harness.cli import main as cli_main
@@ -156,6 +158,71 @@ def test_spec_alone_sampled_on_one_runner(tmp_path) -> None:
     assert "temperature 0.8, seeded" in text
 
 
+def test_spec_alone_on_v2_runs_the_async_loop(tmp_path) -> None:
+    """V2 has async scheduling with speculative decoding (policy.features): alone, its
+    spec engines and baselines run async, and greedy drafts still keep the tokens."""
+    assert features.feature(spec_args.ASYNC_FEATURES[1]).status("v2") == features.SUPPORTED
+    rc, report, text = _run(tmp_path, "--runners", "v2", "--workloads", "spec",
+                            "--spec-max-tokens", "6", "--spec-configs",
+                            json.dumps({**DRAFT, "num_speculative_tokens": 1}))
+    assert rc == 0, text
+    assert report["engine_loops"] == ["async"] and report["engines"]["v2"]["engine_loop"] == "async"
+    baseline, draft = report["workloads"]["spec"]
+    assert draft["engine_loop"] == "async" and report["async_scheduling"] == {"v2": True}
+    assert draft["token_checks"]["vs_baseline"] == {"v2": True}
+    assert draft["v2"]["output_tokens"]["median"] == 6 and "== spec, async loop ==" in text
+
+
+@pytest.fixture
+def spec_async(request, monkeypatch):
+    """The feature table with the runners' async-with-speculation statuses set by the
+    parameter: the runners that have it."""
+    able = request.param
+    row = spec_args.ASYNC_FEATURES[1]
+    table = tuple(f if f.label != row else dataclasses.replace(
+        f, v1=features.SUPPORTED if "v1" in able else features.UNSUPPORTED,
+        v2=features.SUPPORTED if "v2" in able else features.UNSUPPORTED)
+        for f in features.FEATURES)
+    monkeypatch.setattr(features, "FEATURES", table)
+    return able
+
+
+@pytest.mark.parametrize("spec_async", [(), ("v2",), ("v1", "v2")], indirect=True)
+def test_the_spec_loop_is_async_only_where_every_runner_has_it(spec_async) -> None:
+    loop = spec_args.spec_engine_loop
+    for runners in (["v1"], ["v2"], ["v1", "v2"]):
+        able = all(r in spec_async for r in runners)
+        default = loop(None, runners, alone=True)
+        assert default.loop == ("async" if able else "sync") and default.refusal is None
+        assert (default.note is None) == able
+        if not able:
+            assert "cannot run async scheduling with speculative decoding" in default.note
+        assert loop("sync", runners, alone=True) == spec_args.SpecLoop("sync")
+        asked = loop("async", runners, alone=False)
+        assert (asked.loop, asked.refusal is None) == (("async", True) if able else (None, False))
+        assert loop("both", runners, alone=True).refusal.startswith("--engine-loop both")
+        assert loop("both", runners, alone=False).loop == "sync"
+
+
+def test_a_failing_spec_engine_is_an_entry_and_the_run_goes_on(tmp_path, monkeypatch) -> None:
+    real = spec_workload._build
+
+    def build(args, settings, runner, config):
+        if runner == "v2" and config is not None:
+            raise RuntimeError("at 52:8:\n  if x:\n  ^\nAssertionError('the kernel')")
+        return real(args, settings, runner, config)
+
+    monkeypatch.setattr(spec_workload, "_build", build)
+    rc, report, text = _run(tmp_path, "--workloads", "spec", "--spec-max-tokens", "4",
+                            "--spec-configs", json.dumps({**DRAFT, "num_speculative_tokens": 1}))
+    assert rc == 1  # a failure fails the run, after writing everything else
+    baseline, draft = report["workloads"]["spec"]
+    failed = "RuntimeError: at 52:8: ... AssertionError('the kernel')"
+    assert draft["v2"] == {"failed": failed} and "speedup" in draft["v1"]
+    assert report["failures"] == [f"V2 draft_model k=1: {failed}"]
+    assert f"V2 failed: {failed}" in text
+
+
 def test_token_checks_report_mismatches() -> None:
     base = {"v1": [{"0": [1, 2, 3, 4], "1": [5, 6]}], "v2": [{"0": [1, 2, 3, 4], "1": [5, 6]}]}
     same = {"v1": [{"0": [1, 2, 3, 4], "1": [5, 6]}] * 2}
@@ -213,7 +280,7 @@ SPEC = ["--workloads", "spec"]
      "the spec workload needs requests of 600 tokens"),
     (["--speculative-config", json.dumps(NGRAM)], "--speculative-config would give every engine"),
     (["--engine-loop", "async"], "the async engine loop (--engine-loop async or --async-scheduling)"),
-    (["--engine-loop", "both"], "--engine-loop both: the spec workload runs only under the sync"),
+    (["--engine-loop", "both"], "--engine-loop both: the spec workload runs one loop"),
     (["--model", "tiny-qwen3"], "--workloads spec: the model 'tiny-qwen3' has no draft preset"),
     (["--max-num-seqs", "2", "--spec-batch", "4"], "--max-num-seqs 2 is below the 4"),
 ])
