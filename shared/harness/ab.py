@@ -8,14 +8,14 @@ and ab.png in --output-dir, and a check that the runners produced identical toke
 ratios. Every runner runs the same engine loop (--engine-loop; `both`: each workload
 under each loop, engines v1-sync, v2-sync, v1-async, v2-async). The throughput workload
 is set beside its floor (shared/harness/floor.py) at the read bandwidth and matmul rate
-measured at the start. On a machine without a CUDA GPU, V2's Triton kernels run under the Triton
+measured at the start. `--workloads spec` (shared/harness/spec_workload.py) measures
+speculative decoding against the same engines without it. On a machine without a CUDA GPU, V2's Triton kernels run under the Triton
 interpreter; the table, ab.json and ab.png say so, and the default sizes are smaller.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import logging
 import os
@@ -23,7 +23,6 @@ import shlex
 import sys
 import time
 
-import numpy as np
 import torch
 
 from policy.cli_args import usage_error
@@ -41,12 +40,19 @@ from shared.harness.ab_args import (
     select_runners,
     set_threads,
 )
-from shared.harness.ab_engines import build_engines, describe_engines, difference_warnings
+from shared.harness.ab_engines import (
+    build_engines,
+    describe_engines,
+    difference_warnings,
+    free_engines,
+    run_order,
+)
 from shared.harness.chart import write_png
 from shared.harness.floor import Floor, Rates, engine_shape, throughput_floor
-from shared.harness.measure import StepSamples, measure_gemm_rate, measure_read_bandwidth
+from shared.harness.measure import maybe_profile, measure_gemm_rate, measure_read_bandwidth
 from shared.harness.report import print_tables
-from shared.runtime.step_timing import STAGES
+from shared.harness.spec_args import SPEC
+from shared.harness.spec_workload import BaselineError, check_spec_configs, run_spec
 from shared.serving.engine import LLMEngine
 
 logger = logging.getLogger("runnerlab")
@@ -71,6 +77,7 @@ def ab_main(argv: list[str]) -> int:
         settings = _settings(args, device, runners, loops)
         check_flags(args, settings, device)
         check_lengths(settings, config.scheduler_config.max_model_len)
+        check_spec_configs(args, settings)
         check_output_dir(args.output_dir)
     except (Refused, ValueError) as exc:  # ValueError: the engine configuration's own
         return usage_error(PROG, exc)
@@ -83,14 +90,22 @@ def ab_main(argv: list[str]) -> int:
 
 
 def _measure(args: argparse.Namespace, argv: list[str], settings: dict) -> int:
-    try:
-        engines = build_engines(args, settings)
-    except ValueError as exc:  # the engine configuration's own checks
-        return usage_error(PROG, exc)
-    except OSError as exc:  # reading the model
-        print(f"{PROG}: error: {exc}", file=sys.stderr)
-        return 1
-    report = run_ab(engines, settings, args, next(iter(engines.values())).device)
+    """The workloads of the engines built up front, then (those freed first) the spec
+    workload, which builds its own engines config by config."""
+    report = None
+    if any(w != SPEC for w in settings["workloads"]):
+        try:
+            engines = build_engines(args, settings)
+        except (ValueError, OSError) as exc:
+            return _build_error(exc)
+        report = run_ab(engines, settings, args, next(iter(engines.values())).device)
+        free_engines(engines)
+    if SPEC in settings["workloads"]:
+        try:
+            report = run_spec(args, settings, report, lambda engines: _report_head(
+                engines, settings, next(iter(engines.values())).device))
+        except BaselineError as exc:  # a spec engine's own failure is its entry's
+            return _build_error(exc.error)
     report["command"] = " ".join([PROG, *map(shlex.quote, argv)])
     try:
         paths = write_results(report, args.output_dir)
@@ -100,7 +115,15 @@ def _measure(args: argparse.Namespace, argv: list[str], settings: dict) -> int:
         return 1
     print_tables(report)
     print("\nwrote " + " and ".join(paths))
-    return 0 if report["tokens_identical"] else 1
+    # (a spec engine that failed is in its entry and in "failures": the run goes on)
+    return 0 if report["tokens_identical"] and not report.get("failures") else 1
+
+
+def _build_error(exc: Exception) -> int:
+    if isinstance(exc, ValueError):  # the engine configuration's own checks
+        return usage_error(PROG, exc)
+    print(f"{PROG}: error: {exc}", file=sys.stderr)  # OSError: reading the model
+    return 1
 
 
 def write_results(report: dict, output_dir: str) -> list[str]:
@@ -139,14 +162,14 @@ def run_ab(engines: dict[str, LLMEngine], settings: dict, args, device: torch.de
     start = time.perf_counter()
     identical = True
     jobs = _jobs(settings)
-    orders = {name: _order(list(engines), settings["repeats"][name]) for name, _, _ in jobs}
+    orders = {name: run_order(list(engines), settings["repeats"][name]) for name, _, _ in jobs}
     bar = tqdm(total=sum(len(orders[n]) for n, _, _ in jobs), desc="ab", unit="run", file=sys.stderr)
     for name, label, fn in jobs:
         per_engine: dict[str, list[wl.RunResult]] = {e: [] for e in engines}
         run_s: dict[str, list[float]] = {e: [] for e in engines}
         for engine in orders[name]:
             t0 = time.perf_counter()
-            with _maybe_profile(args, engine, label):
+            with maybe_profile(args.profile, args.output_dir, engine, label):
                 per_engine[engine].append(fn(engines[engine], f"{engine}-{label}-{len(per_engine[engine])}-"))
             run_s[engine].append(round(time.perf_counter() - t0, 3))
             bar.update(1)
@@ -154,7 +177,7 @@ def run_ab(engines: dict[str, LLMEngine], settings: dict, args, device: torch.de
         identical &= same
         entry = {"label": label, "tokens_identical": same, "run_s": run_s}
         for engine, results in per_engine.items():
-            entry[engine] = _summarise(results)
+            entry[engine] = wl.summarise(results)
         if name == "decode":
             _decode_floor(entry, report)
         elif name == "throughput":
@@ -227,14 +250,6 @@ def _set_beside_floor(entry: dict, floor: Floor, engines: list[str]) -> None:
         entry[engine]["floor_fraction"] = floor.seconds / entry[engine]["seconds"]["median"]
 
 
-def _order(runners: list[str], runs: int) -> list[str]:
-    """A-B-B-A-A-B...: `runs` runs of each runner, alternating which goes first."""
-    order: list[str] = []
-    for i in range(runs):
-        order += runners if i % 2 == 0 else runners[::-1]
-    return order
-
-
 def _jobs(s: dict) -> list:
     jobs = []
     for w in s["workloads"]:
@@ -279,33 +294,3 @@ def _same_tokens(per_engine: dict[str, list[wl.RunResult]]) -> bool:
     return all(strip(r.tokens) == ref for rs in per_engine.values() for r in rs)
 
 
-def _summarise(results: list[wl.RunResult]) -> dict:
-    merged = StepSamples()
-    for r in results:
-        if r.samples is not None:
-            merged.wall_ms += r.samples.wall_ms
-            merged.forward_gpu_ms += r.samples.forward_gpu_ms
-            merged.modes += r.samples.modes
-            for s in STAGES:
-                merged.stage_ms[s] += r.samples.stage_ms[s]
-    out = merged.summary() if merged.wall_ms else {}
-    extras = [r.extra for r in results]
-    for key in extras[0]:
-        values = [e[key] for e in extras if isinstance(e.get(key), (int, float))]
-        if values:
-            out[key] = {"median": float(np.median(values)), "min": float(np.min(values)),
-                        "max": float(np.max(values)), "n": len(values)}
-    return out
-
-
-@contextlib.contextmanager
-def _maybe_profile(args, engine: str, label: str):
-    if not args.profile:
-        yield
-        return
-    activities = [torch.profiler.ProfilerActivity.CPU]
-    if torch.cuda.is_available():
-        activities.append(torch.profiler.ProfilerActivity.CUDA)
-    with torch.profiler.profile(activities=activities) as prof:
-        yield
-    prof.export_chrome_trace(os.path.join(args.output_dir, f"trace_{engine}_{label}.json"))

@@ -24,10 +24,21 @@ from policy.cli_args import (
 from policy.kernel_options import KernelOptions
 from shared.harness import workloads as wl
 from shared.harness.measure import decode_max_tokens
+from shared.harness.spec_args import (
+    CPU_SPEC_SIZES,
+    GPU_SPEC_SIZES,
+    SPEC,
+    SpecLoop,
+    add_spec_args,
+    spec_engine_loop,
+    spec_flag_refusal,
+    spec_settings,
+)
 
 PROG = "runnerlab ab"
 RUNNERS = ("v1", "v2")
-WORKLOADS = ("decode", "prefill", "churn", "throughput")
+WORKLOADS = ("decode", "prefill", "churn", "throughput")  # the defaults' (GPU: all four)
+ALL_WORKLOADS = WORKLOADS + (SPEC,)  # spec only when asked for (shared/harness/spec_args.py)
 ENGINE_LOOPS = ("sync", "async", "both")
 ASYNC_FEATURE = "async scheduling"  # the policy.features row that says which runner has it
 # ab's own flags that only the decode workload reads (refused without it)
@@ -75,9 +86,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="comma list of the runners to measure (default v1,v2; one runner: "
                    "its stage times, no ratios). --model-runner v1|v2 is the same as "
                    "--runners v1|v2")
-    g.add_argument("--workloads", type=name_list("workload", WORKLOADS), default=None,
-                   help="comma list of " + ",".join(WORKLOADS) + " (default: decode,prefill,"
-                   "churn, plus throughput on a GPU)")
+    g.add_argument("--workloads", type=name_list("workload", ALL_WORKLOADS), default=None,
+                   help="comma list of " + ",".join(ALL_WORKLOADS) + " (default: decode,"
+                   "prefill,churn, plus throughput on a GPU; spec only when named)")
     g.add_argument("--engine-loop", choices=ENGINE_LOOPS, default=None,
                    help="the engine loop every runner runs: sync, async (async scheduling) or "
                    "both (each workload under each loop; engines v1-sync, v1-async, ...). "
@@ -99,6 +110,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--output-dir", default="ab-results", help="where ab.json and ab.png go")
     g.add_argument("--profile", action="store_true", help="write a torch.profiler trace per runner")
     g.add_argument("--nvtx", action="store_true", help="emit NVTX ranges (for nsys; CUDA only)")
+    add_spec_args(p)
     return p
 
 
@@ -121,7 +133,7 @@ def _settings(args: argparse.Namespace, device: str, runners: list[str],
     workloads = args.workloads or list(sizes.workloads)
     repeats = {w: args.repeats or (THROUGHPUT_RUNS_PER_RUNNER if w == "throughput"
                                    else RUNS_PER_RUNNER) for w in workloads}
-    return {
+    settings = {
         "runners": runners,
         "engine_loops": list(loops.loops),
         "engine_loop_requested": loops.requested,
@@ -137,6 +149,9 @@ def _settings(args: argparse.Namespace, device: str, runners: list[str],
         "defaults": "quick" if args.quick else device,
         "defaults_note": _cpu_default_note(args, sizes, workloads) if sizes is CPU_SIZES else None,
     }
+    if SPEC in workloads:
+        settings[SPEC] = spec_settings(args, device, loops.spec)
+    return settings
 
 
 def _default_sizes(args: argparse.Namespace, device: str) -> Sizes:
@@ -164,6 +179,10 @@ def _cpu_default_note(args: argparse.Namespace, cpu: Sizes, workloads: list[str]
     if "churn" in workloads:
         cuts.append(f"churn {cpu.churn[0]} live for {cpu.churn[1]} steps "
                     f"(GPU {gpu.churn[0]} for {gpu.churn[1]})")
+    if SPEC in workloads and args.spec_prompt_len is None and args.spec_max_tokens is None:
+        cuts.append(f"spec prompts of {CPU_SPEC_SIZES.prompt_len} tokens, "
+                    f"{CPU_SPEC_SIZES.max_tokens} output tokens (GPU {GPU_SPEC_SIZES.prompt_len}, "
+                    f"{GPU_SPEC_SIZES.max_tokens})")
     if args.workloads is None:
         cuts.append("no throughput workload (GPU: nano-vllm's 256 requests)")
     if not cuts:
@@ -179,6 +198,8 @@ def needed_len(settings: dict, workload: str) -> int:
         return settings["prefill"][1] + 1
     if workload == "churn":
         return wl.CHURN_PROMPT_LEN[1] + wl.CHURN_MAX_TOKENS[1]
+    if workload == SPEC:  # (the scheduler trims drafts at max_model_len)
+        return settings[SPEC]["prompt_len"] + settings[SPEC]["max_tokens"]
     return wl.THROUGHPUT_MAX_LEN
 
 
@@ -189,6 +210,8 @@ def concurrency(settings: dict) -> int:
         needs.append(max(settings["batches"]))
     if "churn" in settings["workloads"]:
         needs.append(settings["churn"][0])
+    if SPEC in settings["workloads"]:
+        needs.append(settings[SPEC]["batch"])
     if "throughput" in settings["workloads"]:
         # nano-vllm's workload runs as many of its 256 requests at once as the engine
         # admits: the engine gets the decode ladder's top (the default's 1024 on a GPU),
@@ -205,6 +228,9 @@ def check_flags(args: argparse.Namespace, settings: dict, device: str) -> None:
             if getattr(args, name) is not None:
                 raise Refused(f"{flag} sets the decode workload, which --workloads "
                               f"{','.join(workloads)} leaves out")
+    refusal = spec_flag_refusal(args, workloads)
+    if refusal:
+        raise Refused(refusal)
     share = getattr(args, "gpu_memory_utilization", None)
     engines = len(runners) * len(settings["engine_loops"])
     if share is not None and device == "cuda" and share * engines > 1:
@@ -220,8 +246,13 @@ def check_flags(args: argparse.Namespace, settings: dict, device: str) -> None:
     seqs = getattr(args, "max_num_seqs", None)
     if seqs is not None and seqs < concurrency(settings):
         raise Refused(f"--max-num-seqs {seqs} is below the {concurrency(settings)} requests the "
-                      "workloads run together (the largest --batch-sizes, or churn's live "
-                      "requests); raise it or leave it out")
+                      "workloads run together (the largest --batch-sizes, churn's live "
+                      "requests or --spec-batch); raise it or leave it out")
+
+
+# what lowers each workload's longest request (the others: drop the workload)
+SHORTER = {"decode": "lower --prompt-len / --steps",
+           SPEC: "lower --spec-prompt-len / --spec-max-tokens"}
 
 
 def check_lengths(settings: dict, max_model_len: int) -> None:
@@ -230,9 +261,8 @@ def check_lengths(settings: dict, max_model_len: int) -> None:
         if need > max_model_len:
             raise Refused(
                 f"the {workload} workload needs requests of {need} tokens (prompt + output), "
-                f"more than max_model_len={max_model_len}; raise --max-model-len"
-                + (", or lower --prompt-len / --steps" if workload == "decode" else
-                   f", or drop {workload} from --workloads"))
+                f"more than max_model_len={max_model_len}; raise --max-model-len, or "
+                + SHORTER.get(workload, f"drop {workload} from --workloads"))
 
 
 def set_threads(requested: int | None, device: str) -> int:
@@ -261,11 +291,15 @@ def check_output_dir(path: str) -> None:
 
 
 def _engine_args(args: argparse.Namespace, runner: str, loop: str, max_batch: int = 0,
-                 num_engines: int = 2):
+                 num_engines: int = 2, speculative: dict | None = None):
+    """The EngineArgs of one of ab's engines; `speculative`: the spec workload's
+    speculative_config for it (check_flags has refused --speculative-config beside it)."""
     from policy.explain import engine_args_from_namespace
 
     base = engine_args_from_namespace(args).model_dump()
     base["model_runner"] = runner
+    if speculative is not None:
+        base["speculative_config"] = speculative
     # (resolve_engine_loops has checked that --async-scheduling agrees with the loop)
     base["async_scheduling"] = loop == "async"
     if getattr(args, "max_num_seqs", None) is None:
@@ -299,6 +333,7 @@ class EngineLoops:
     loops: tuple[str, ...]  # ("sync",), ("async",) or ("sync", "async")
     requested: str  # "default" or the --engine-loop value (--async-scheduling: "async")
     warning: str | None = None  # the default fell back to sync: which runner forced it
+    spec: SpecLoop | None = None  # the spec workload's loop, when it runs
 
 
 def async_capable(runner: str) -> bool:
@@ -309,8 +344,22 @@ def async_capable(runner: str) -> bool:
 def resolve_engine_loops(args: argparse.Namespace, runners: list[str]) -> EngineLoops:
     """--engine-loop (or the engine flag --[no-]async-scheduling, which must agree with it)
     against what each runner can run. Every runner runs the same loop: a runner that
-    cannot run async scheduling makes the default sync and refuses async and both."""
+    cannot run async scheduling makes the default sync and refuses async and both. The
+    spec workload runs one loop (spec_args.spec_engine_loop); alone, it is the run's."""
     requested, source = _requested_loop(args)
+    loops = _runner_loops(requested, source, runners)
+    workloads = args.workloads or []
+    if SPEC not in workloads:
+        return loops
+    spec = spec_engine_loop(requested, runners, alone=workloads == [SPEC])
+    if spec.refusal:
+        raise Refused(spec.refusal)
+    if workloads == [SPEC]:  # (its engines are the report's: spec_workload.run_spec)
+        return EngineLoops((spec.loop,), loops.requested, spec.note, spec)
+    return dataclasses.replace(loops, spec=spec)
+
+
+def _runner_loops(requested: str | None, source: str, runners: list[str]) -> EngineLoops:
     unable = [r for r in runners if not async_capable(r)]
     if requested is None:
         if not unable:

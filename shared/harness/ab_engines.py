@@ -47,6 +47,27 @@ def build_engines(args: argparse.Namespace, settings: dict) -> dict[str, LLMEngi
         args, s.runner, s.loop, concurrency(settings), num_engines=len(specs))) for s in specs}
 
 
+def run_order(labels: list[str], runs: int) -> list[str]:
+    """A-B-B-A-A-B...: `runs` runs of each engine, alternating which goes first."""
+    order: list[str] = []
+    for i in range(runs):
+        order += labels if i % 2 == 0 else labels[::-1]
+    return order
+
+
+def free_engines(engines: dict[str, LLMEngine]) -> None:
+    """Drop the engines (the caller holds no other reference) and give their memory back
+    to the device, so that the next engines find it: model, KV cache and graphs."""
+    import gc
+
+    import torch
+
+    engines.clear()
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
 def describe_engines(engines: dict[str, LLMEngine], settings: dict) -> dict[str, dict[str, Any]]:
     """What each engine runs with, read back from the engine itself (for ab.json)."""
     out = {}

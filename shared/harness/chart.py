@@ -61,9 +61,11 @@ def build_figure(report: dict) -> Any:
             _decode_panel(ax, entries, labels)
         elif name == "throughput":
             _rate_panel(ax, entries, labels, "output_tokens_per_s", "output tokens / s")
+        elif name == "spec":
+            _spec_panel(ax, entries, report.get("runners", ["v1", "v2"]))
         else:
             _stage_bars(ax, entries, labels)
-        single = len(entries) == 1 and name != "decode"
+        single = len(entries) == 1 and name not in ("decode", "spec")
         ax.set_title(f"{name} ({entries[0]['label']})" if single else name)
         ax.set_axisbelow(True)  # the grid behind the bars
         ax.grid(alpha=0.3, which="both")
@@ -131,6 +133,28 @@ def _rate_panel(ax: Any, entries: list[dict], labels: list[str], key: str, unit:
                       linestyles=":", label="floor")
     ax.set_xticks(range(len(entries)), [e["label"] for e in entries])
     ax.set_ylabel(f"{unit} (median, min..max)")
+
+
+def _spec_panel(ax: Any, entries: list[dict], runners: list[str]) -> None:
+    """The spec workload: each config's speedup (output tokens/s over the runner's
+    baseline's), a bar per runner; 1 is the baseline. A refused or failed engine: a note
+    where its bar would be."""
+    configs = [e for e in entries if e["speculative_config"] is not None]
+    width = 0.8 / len(runners)
+    for i, entry in enumerate(configs):
+        for j, runner in enumerate(runners):
+            x = i + (j - (len(runners) - 1) / 2) * width
+            speedup = entry[runner].get("speedup")
+            if speedup is None:
+                why = next((k for k in ("refused", "failed") if k in entry[runner]), "no baseline")
+                ax.text(x, 0.05, f"{runner.upper()} {why}", rotation=90, ha="center",
+                        va="bottom", fontsize=7)
+                continue
+            ax.bar(x, speedup, width, **bar_style(runner, "tab:purple"))
+    ax.axhline(1.0, color="black", linestyle=":", linewidth=1)
+    ax.set_xticks(range(len(configs)), [e["label"] for e in configs], rotation=30, ha="right",
+                  fontsize=7)
+    ax.set_ylabel("speedup (tokens/s over the baseline)")
 
 
 def _legend(fig: Any, labels: list[str]) -> None:

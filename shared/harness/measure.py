@@ -7,7 +7,10 @@ come from the same process and the same run.
 
 from __future__ import annotations
 
+import contextlib
+import os
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -206,3 +209,18 @@ def run_decode(
         tokens[out.request_id] = out.outputs[0].token_ids
     engine.stream_outputs = True
     return samples, steady_ms, tokens
+
+
+@contextlib.contextmanager
+def maybe_profile(enabled: bool, output_dir: str, engine: str, label: str) -> Iterator[None]:
+    """With `enabled`, a torch.profiler trace of the block (CPU, and CUDA where there is
+    one) in output_dir/trace_<engine>_<label>.json."""
+    if not enabled:
+        yield
+        return
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if torch.cuda.is_available():
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    with torch.profiler.profile(activities=activities) as prof:
+        yield
+    prof.export_chrome_trace(os.path.join(output_dir, f"trace_{engine}_{label}.json"))

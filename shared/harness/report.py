@@ -4,6 +4,7 @@ The chart is shared/harness/chart.py.
 
 Columns are engines (ab.json's keys: "v1", "v2", or "v1-sync" ... with --engine-loop
 both); a table holds the engines of one loop, with V2/V1 ratios when it has both runners.
+The spec workload's table has a row per (config, runner) instead (_print_spec).
 """
 
 from __future__ import annotations
@@ -100,6 +101,9 @@ def print_tables(report: dict) -> None:
     print(f"tokens identical across {across}: {report['tokens_identical']}")
     groups = engine_groups(labels)
     for name, entries in report["workloads"].items():
+        if name == "spec":
+            _print_spec(entries, report)
+            continue
         for group in groups:
             _print_table(name, entries, group, len(groups) > 1, report["device"])
 
@@ -165,3 +169,43 @@ def _print_floor(e: dict, labels: list[str], device: str) -> None:
 
 def _seconds(x: float) -> str:
     return f"{x:.3f} s" if x >= 1 else f"{x * 1e3:.3g} ms"
+
+
+def _print_spec(entries: list[dict], report: dict) -> None:
+    """A row per (config, runner): output tokens/s and the speedup over the runner's
+    baseline, tokens per step, step and forward GPU times (verify / baseline),
+    acceptance; a refused or failed engine's reason; the token mismatches."""
+    s = report["settings"]["spec"]
+    mode = "greedy" if not s["temperature"] else f"temperature {s['temperature']:g}, seeded"
+    print(f"\n== spec, {s['engine_loop']} loop ==  ({s['batch']} x {s['prompt_len']}-token "
+          f"prompts, {s['max_tokens']} output tokens each, {mode}; speedup = output tokens/s "
+          "over the runner's baseline's; step ms after the prefill, median/p90; fwd GPU ms "
+          "verify/baseline)")
+    width = max(12, *(len(e["label"]) for e in entries))
+    print(f"{'config':>{width}} {'runner':>6} {'tok/s':>9} {'speedup':>7} {'tok/step':>8} "
+          f"{'step ms':>15} {'fwd GPU ms':>15} {'accepted':>8} {'mean len':>8}  per position")
+    for e in entries:
+        for runner in report.get("runners", ["v1", "v2"]):
+            print(f"{e['label']:>{width}} {runner.upper():>6} {_spec_cells(e[runner])}")
+        for line in e.get("mismatches", []):
+            print(f"{e['label']:>{width}} tokens: {line}")
+
+
+def _spec_cells(st: dict) -> str:
+    for key in ("refused", "failed"):
+        if key in st:
+            return f"{key}: {st[key]}"
+    speedup = st.get("speedup")
+    gpu = median(st, "forward_gpu_ms")
+    gpu_cell = "-" if gpu is None else _fmt(gpu) + (
+        "" if st.get("baseline_forward_gpu_ms") is None
+        else "/" + _fmt(st["baseline_forward_gpu_ms"]))
+    acc = st.get("acceptance")
+    acc_cells = (f"{'-':>8} {'-':>8}" if acc is None else
+                 f"{acc['acceptance_rate']:>8.3f} {acc['mean_acceptance_length']:>8.3f}  "
+                 + ",".join(f"{r:.2f}" for r in acc["acceptance_rate_per_position"]))
+    return (f"{median(st, 'output_tokens_per_s') or 0:>9.1f} "
+            f"{'-' if speedup is None else f'{speedup:.3f}':>7} "
+            f"{median(st, 'tokens_per_step') or 0:>8.3f} "
+            f"{_fmt(median(st, 'wall_ms')) + '/' + _fmt(_stat(st, ('wall_ms',), 'p90')):>15} "
+            f"{gpu_cell:>15} {acc_cells}")

@@ -17,6 +17,7 @@ import numpy as np
 
 from shared.contract.sampling_params import SamplingParams
 from shared.harness.measure import StepSamples, run_decode
+from shared.runtime.step_timing import STAGES
 from shared.serving.engine import LLMEngine
 
 
@@ -25,6 +26,29 @@ class RunResult:
     samples: StepSamples | None
     tokens: dict[str, list[int]]
     extra: dict
+
+
+def summarise(results: list[RunResult]) -> dict:
+    """One engine's runs of one workload: the per-step samples merged (medians and p90
+    over every step of every run), and median/min/max/n over the runs of each numeric
+    `extra`."""
+    merged = StepSamples()
+    for r in results:
+        if r.samples is not None:
+            merged.wall_ms += r.samples.wall_ms
+            merged.forward_gpu_ms += r.samples.forward_gpu_ms
+            merged.step_gpu_ms += r.samples.step_gpu_ms
+            merged.modes += r.samples.modes
+            for s in STAGES:
+                merged.stage_ms[s] += r.samples.stage_ms[s]
+    out = merged.summary() if merged.wall_ms else {}
+    extras = [r.extra for r in results]
+    for key in extras[0]:
+        values = [e[key] for e in extras if isinstance(e.get(key), (int, float))]
+        if values:
+            out[key] = {"median": float(np.median(values)), "min": float(np.min(values)),
+                        "max": float(np.max(values)), "n": len(values)}
+    return out
 
 
 def decode(engine: LLMEngine, batch: int, prompt_len: int, warmup: int, steps: int, tag: str) -> RunResult:
