@@ -163,8 +163,10 @@ def _prepare_inputs_kernel(
             if HAS_DRAFTS:
                 num_drafts = num_computed + query_len - first_sampled_pos - 1
                 d = tl.arange(0, DRAFT_BLOCK)
-                src = draft_tokens_ptr + row.to(tl.int64) * draft_tokens_stride + d
-                drafts = tl.load(src, mask=d < num_drafts)
+                # its own name: reusing `src` (an int32 pointer above) for this int64
+                # pointer block does not compile outside the interpreter
+                draft_src = draft_tokens_ptr + row.to(tl.int64) * draft_tokens_stride + d
+                drafts = tl.load(draft_src, mask=d < num_drafts)
                 tl.store(input_ids_ptr + first + 1 + d, drafts.to(tl.int32), mask=d < num_drafts)
     else:
         # The extra program zeroes the whole padded tail, so any graph size that

@@ -10,7 +10,7 @@ import pytest
 from shared.harness.diff import DiffSetup, build_engine
 from shared.harness.hf_reference import materialize_checkpoint
 from shared.harness.scenario_run import run_scenario
-from tests.shared.serving.test_spec_decode_engine import GREEDY, scenario_named
+from tests.shared.serving.test_spec_decode_engine import scenario_named
 
 pytestmark = pytest.mark.gpu
 
@@ -22,6 +22,11 @@ CONFIGS = {
     "v2-async-weak-k2": ("v2-async", {"method": "draft_model", "model": "tiny-llama-draft",
                                       "num_speculative_tokens": 2}),
 }
+
+
+# the hard cases for graphs and drafts (the CPU tests run the whole library)
+GREEDY = ["out_of_order_finish", "abort_resubmit", "chunked_prefill", "prefix_cache",
+          "padded_batch", "spec_preemption", "repetitive"]
 
 
 @pytest.fixture(scope="module")
