@@ -11,9 +11,11 @@ it through the forward context (implicit), V2 replays it by descriptor (explicit
 from __future__ import annotations
 
 import bisect
+import contextlib
+import gc
 import logging
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -178,6 +180,22 @@ class Replayable(Protocol):
 FullGraphs = dict[BatchDescriptor, tuple[Replayable, torch.Tensor]]
 
 
+@contextlib.contextmanager
+def no_gc_during_capture() -> Iterator[None]:
+    """Collect garbage first and keep the collector off while graphs are captured: a
+    collection inside a capture may free another engine's pinned buffers (cudaFreeHost),
+    which invalidates the capture ("operation failed due to a previous error during
+    capture", seen on the H200 when a test builds engine after engine)."""
+    gc.collect()
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
 def record_cuda_graph(
     body: Callable[[], torch.Tensor], pool: Any
 ) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
@@ -217,14 +235,15 @@ def capture_full_graphs(
     start = time.perf_counter()
     free_before = torch.cuda.mem_get_info()[0] if on_cuda else 0
     graphs: FullGraphs = {}
-    for size in reversed(sizes):
-        forward(size, fill_inputs(size))  # eager warm-up
-        if on_cuda:
-            torch.cuda.synchronize()
-        metadata = fill_inputs(size)
-        graphs[BatchDescriptor("FULL", size * query_len, size, query_len)] = record(
-            lambda s=size, m=metadata: forward(s, m), pool
-        )
+    with no_gc_during_capture():
+        for size in reversed(sizes):
+            forward(size, fill_inputs(size))  # eager warm-up
+            if on_cuda:
+                torch.cuda.synchronize()
+            metadata = fill_inputs(size)
+            graphs[BatchDescriptor("FULL", size * query_len, size, query_len)] = record(
+                lambda s=size, m=metadata: forward(s, m), pool
+            )
     if on_cuda:
         torch.cuda.synchronize()
         logger.info(

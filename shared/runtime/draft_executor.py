@@ -94,8 +94,9 @@ class DraftForward:
         common = dataclasses.replace(common, slot_mapping=self.slot_mapping[:size])
         attn_metadata = self.executor.build_attn_metadata(common)
         if self.piecewise is not None and size in self.piecewise:
-            return self.executor.forward(
+            hidden = self.executor.forward(
                 self.input_ids[:size], self.positions[:size], attn_metadata, size,
                 cudagraph_mode="PIECEWISE", run=self.piecewise.run,
             )
+            return hidden[:n]  # the padded rows are garbage
         return self.executor.forward(self.input_ids[:n], self.positions[:n], attn_metadata, n)

@@ -39,7 +39,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from shared.runtime.cudagraph_utils import Replayable
+from shared.runtime.cudagraph_utils import Replayable, no_gc_during_capture
 
 logger = logging.getLogger("runnerlab")
 
@@ -129,15 +129,16 @@ class PiecewiseGraphs:
         # runs in range (token 0, position 0) whatever the buffers held.
         self.input_ids[: self.capture_sizes[-1]].zero_()
         self.positions[: self.capture_sizes[-1]].zero_()
-        for size in reversed(self.capture_sizes):
-            self._views[size] = self._make_views(size)
-            graphs = []
-            for index in range(self.model.num_segments):
-                body = partial(self._segment, index, self._views[size])
-                with torch.no_grad():
-                    body()
-                    graphs.append(self._record(body, pool))
-            self.graphs[size] = graphs
+        with no_gc_during_capture():
+            for size in reversed(self.capture_sizes):
+                self._views[size] = self._make_views(size)
+                graphs = []
+                for index in range(self.model.num_segments):
+                    body = partial(self._segment, index, self._views[size])
+                    with torch.no_grad():
+                        body()
+                        graphs.append(self._record(body, pool))
+                self.graphs[size] = graphs
         if on_cuda:
             torch.cuda.synchronize()
             logger.info(
