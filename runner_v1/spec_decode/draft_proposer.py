@@ -313,7 +313,8 @@ class V1DraftProposer:
         block_table = batch.block_table.block_table.gpu.index_select(0, rows_dev)
 
         logits = self.executor.compute_logits(hidden[b.last_token.copy_to_gpu(n)])
-        tokens, q = sample_draft(logits, temperature, seeds, positions_dev[0, :n], 0)
+        tokens, q = sample_draft(logits, temperature, seeds, positions_dev[0, :n], 0,
+                                 all_greedy=metadata.all_greedy)
         drafts = torch.empty((steps, n), dtype=torch.int64, device=self.device)
         drafts[0] = tokens
         probs = None  # [n, steps, V]; never allocated when every proposing row is greedy
@@ -332,7 +333,8 @@ class V1DraftProposer:
                 slots_dev[i, :m], b.arange_cpu[: m + 1], b.step_seq_lens.cpu[i, :m],
             )
             logits = self.executor.compute_logits(hidden_i)
-            tokens, q = sample_draft(logits, temperature[:m], seeds[:m], positions_dev[0, :m], i)
+            tokens, q = sample_draft(logits, temperature[:m], seeds[:m], positions_dev[0, :m], i,
+                                     all_greedy=metadata.all_greedy)
             drafts[i, :m] = tokens
             if q is not None and probs is not None:
                 probs[:m, i] = q

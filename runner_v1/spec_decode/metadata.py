@@ -39,9 +39,17 @@ def build_spec_decode_metadata(
         num_draft_tokens=num_draft_tokens,
         cu_num_logits=cu.astype(np.int32),
         logits_indices_np=logits_indices_np,
-        logits_indices=torch.from_numpy(logits_indices_np).to(device),
-        draft_token_ids=torch.from_numpy(draft_token_ids.astype(np.int64)).to(device),
+        logits_indices=_to_device(logits_indices_np, device),
+        draft_token_ids=_to_device(draft_token_ids.astype(np.int64), device),
     )
+
+
+def _to_device(x: np.ndarray, device: torch.device) -> torch.Tensor:
+    """Through pinned memory, non_blocking: a pageable copy waits for the stream."""
+    t = torch.from_numpy(np.ascontiguousarray(x))
+    if torch.device(device).type != "cuda":
+        return t
+    return t.pin_memory().to(device, non_blocking=True)
 
 
 def append_accepted(

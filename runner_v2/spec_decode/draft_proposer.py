@@ -25,6 +25,7 @@ import torch
 from runner_v2.input_batch import InputBatch
 from runner_v2.sample.states import SamplingStates
 from runner_v2.states import RequestState
+from runner_v2.uva import async_copy_to_device
 from shared.attention.metadata import PAD_SLOT_ID, CommonAttentionMetadata, count_leading_decodes
 from shared.runtime.draft_executor import DraftForward
 from shared.runtime.model_executor import ModelExecutor
@@ -106,6 +107,13 @@ class V2DraftProposer:
         self.needs_host_seq_lens = needs_host_seq_lens
         self.device = device
         self._max_seq_len = max_model_len  # a bound for the draft decodes' metadata
+        self._arange_dev: torch.Tensor | None = None
+
+    def _arange(self, n: int) -> torch.Tensor:
+        """int32 0..n-1 on the device, from one buffer (a decode's query_start_loc)."""
+        if self._arange_dev is None or self._arange_dev.shape[0] < n:
+            self._arange_dev = torch.arange(max(n, 1024), dtype=torch.int32, device=self.device)
+        return self._arange_dev[:n]
 
     def propose(
         self, batch: InputBatch, is_sampled_np: np.ndarray, req_states: RequestState,
@@ -119,7 +127,9 @@ class V2DraftProposer:
         if sampled.size == 0:
             return
         hidden, last_idx, positions = self._catch_up(batch, is_sampled_np, req_states, block_table)
-        sel = torch.from_numpy(sampled).to(self.device)
+        # pinned staging, non_blocking: a pageable copy would wait for the whole
+        # verify step on the stream and serialise the draft's launches behind it
+        sel = async_copy_to_device(sampled, self.device)
         last = last_idx.index_select(0, sel)
         rows = batch.idx_mapping[:n].index_select(0, sel)
         temperature = states.temperature.index_select(0, rows)
@@ -128,13 +138,15 @@ class V2DraftProposer:
         first = pos  # the noise of every draft of this proposal is keyed by it
         want_probs = draft_probs is not None
         logits = self.executor.compute_logits(hidden.index_select(0, last))
-        tokens, q = sample_draft(logits, temperature, seeds, first, 0, want_probs)
+        tokens, q = sample_draft(logits, temperature, seeds, first, 0, want_probs,
+                                 all_greedy=not want_probs)
         self._store(draft_tokens, draft_probs, rows, 0, tokens, q)
         tables = batch.block_table.index_select(0, sel)
         for i in range(1, self.k):  # draft positions, not tokens: k <= 16
             hidden, pos = self._decode_forward(rows, pos, tokens, tables, block_table, int(sampled.size))
             logits = self.executor.compute_logits(hidden)
-            tokens, q = sample_draft(logits, temperature, seeds, first, i, want_probs)
+            tokens, q = sample_draft(logits, temperature, seeds, first, i, want_probs,
+                                     all_greedy=not want_probs)
             self._store(draft_tokens, draft_probs, rows, i, tokens, q)
 
     @staticmethod
@@ -157,7 +169,7 @@ class V2DraftProposer:
         slots = torch.empty(total, dtype=torch.int64, device=dev)
         last_idx = torch.empty(n, dtype=torch.int64, device=dev)
         seq_lens = torch.empty(n, dtype=torch.int32, device=dev)
-        qsl_dev = torch.from_numpy(qsl).to(dev)
+        qsl_dev = async_copy_to_device(qsl, dev)
         at = req_states.all_token_ids.gpu
         _catch_up_inputs_kernel[(n,)](
             batch.idx_mapping, batch.seq_lens, batch.query_start_loc, qsl_dev,
@@ -194,7 +206,7 @@ class V2DraftProposer:
         )  # fmt: skip
         qsl_np = np.arange(n + 1, dtype=np.int32)
         md = CommonAttentionMetadata(
-            query_start_loc=torch.from_numpy(qsl_np).to(dev), seq_lens=seq_lens,
+            query_start_loc=self._arange(n + 1), seq_lens=seq_lens,
             block_table=tables, slot_mapping=slots, num_reqs=n, num_actual_tokens=n,
             max_query_len=1, max_seq_len=self._max_seq_len, num_decodes=n, num_prefills=0,
             num_decode_tokens=n, block_size=self.block_size,

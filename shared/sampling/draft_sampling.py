@@ -29,16 +29,20 @@ DRAFT_KEY_STRIDE = 32
 def sample_draft(
     logits: torch.Tensor, temperature: torch.Tensor, seeds: torch.Tensor,
     first_positions: torch.Tensor, index: int, want_probs: bool = True,
+    all_greedy: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """logits [n, V] (draft model, any float dtype); temperature float32 [n] (0 = greedy);
     seeds int64 [n] (the requests' seeds, unsalted); first_positions int64 [n] (the input
     position of each proposal's first draft forward); index: which draft (0-based).
     Returns (draft tokens int64 [n], q float64 [n, V] or None when not wanted or every
-    row is greedy)."""
+    row is greedy). all_greedy: whether every row is greedy, from the caller's host state;
+    None reads it from `temperature` (a device sync on CUDA: the runners pass it)."""
     compute = torch.float64 if logits.dtype == torch.float64 else torch.float32
     x = logits.to(compute)
     greedy = temperature == 0
-    if bool(greedy.all()):
+    if all_greedy is None:
+        all_greedy = bool(greedy.all())
+    if all_greedy:
         return x.argmax(dim=-1), None
     temp = torch.where(greedy, torch.ones_like(temperature), temperature).to(compute)
     scaled = x / temp[:, None]

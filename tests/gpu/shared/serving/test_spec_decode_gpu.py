@@ -83,7 +83,8 @@ def test_full_graphs_of_uniform_verifies_are_replayed(setup, llama_dir):
         engine = build_engine(setup, runner, {
             "speculative_config": {"method": "draft_model", "model": llama_dir,
                                    "num_speculative_tokens": 3},
-            "attention_backend": "TRITON", "max_model_len": 128})
+            "attention_backend": "TRITON", "max_model_len": 128,
+            "num_gpu_blocks_override": 256})  # two engines in one process
         for i in range(3):
             engine.add_request(f"r{i}", [5 + i, 6, 7, 8, 9], SamplingParams(
                 max_tokens=40, temperature=0.0, ignore_eos=True))
