@@ -18,7 +18,6 @@ import torch
 
 from shared.attention.metadata import PAD_SLOT_ID, CommonAttentionMetadata
 from shared.runtime.cudagraph_utils import padded_size
-from shared.runtime.draft_graphs import DraftDecodeGraphs
 from shared.runtime.model_executor import ModelExecutor
 from shared.runtime.piecewise_graphs import PiecewiseGraphs
 
@@ -63,9 +62,6 @@ class DraftForward:
                                        device=device)
         self.capture_sizes = sorted(s for s in capture_sizes if s <= max_num_tokens)
         self.piecewise: PiecewiseGraphs | None = None
-        # the single-token forwards replay whole-forward graphs (shared/runtime/draft_graphs.py)
-        self.decode_graphs = DraftDecodeGraphs(
-            executor, self.capture_sizes, self.input_ids, self.positions, self.slot_mapping)
 
     def capture(self, pool: Any) -> None:
         """Piecewise graphs of the draft model (CUDA only; a pool shared with the target's
@@ -77,7 +73,6 @@ class DraftForward:
             self.executor.dtype,
         )
         self.piecewise.capture(pool, "draft")
-        self.decode_graphs.capture(pool)
 
     def __call__(self, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
                  common: CommonAttentionMetadata) -> torch.Tensor:
@@ -85,10 +80,7 @@ class DraftForward:
         tokens (its slot_mapping is replaced). -> hidden states, rows [:n] valid."""
         n = ids.shape[0]
         size = n
-        full_size = self.decode_graphs.size_for(common, n)
-        if full_size is not None:
-            size = full_size
-        elif self.piecewise is not None:
+        if self.piecewise is not None:
             size = padded_size(n, self.capture_sizes) or n
         if size > self.max_num_tokens:
             raise ValueError(f"draft forward of {n} tokens exceeds its {self.max_num_tokens}")
@@ -99,8 +91,6 @@ class DraftForward:
             self.input_ids[n:size].zero_()
             self.positions[n:size].zero_()
             self.slot_mapping[n:size].fill_(PAD_SLOT_ID)
-        if full_size is not None:
-            return self.decode_graphs.run(n, size, common)
         common = dataclasses.replace(common, slot_mapping=self.slot_mapping[:size])
         attn_metadata = self.executor.build_attn_metadata(common)
         if self.piecewise is not None and size in self.piecewise:
