@@ -24,7 +24,6 @@ work with it (attention runs eagerly).
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -36,6 +35,7 @@ from shared.runtime.cudagraph_utils import (
     BatchDescriptor,
     FullGraphs,
     capture_full_graphs,
+    capture_verify_graphs,
     dispatch_graph,
     fill_dummy_decode,
     graph_sizes,
@@ -96,7 +96,6 @@ class V1CudaGraphs:
         self.pool = None  # the one memory pool of every graph, FULL and PIECEWISE
         self.captured = False  # dispatch picks graphs only once they exist
         self.max_model_len = config.scheduler_config.max_model_len
-        self._label = "V1"
 
     # ---- dispatch -----------------------------------------------------------------------
     def dispatch(self, num_scheduled: np.ndarray) -> StepPlan:
@@ -147,23 +146,14 @@ class V1CudaGraphs:
                 self.capture_sizes, self._fill_dummy_inputs, self._captured_forward,
                 self.pool, "V1",
             )
-            self.wrapper.graphs.update(self._capture_spec_graphs())
+            self.wrapper.graphs.update(capture_verify_graphs(
+                self.spec_sizes, self.spec_query_len, self._fill_dummy_inputs,
+                self._captured_forward, self.pool, "V1"))
         if piecewise is not None:
             piecewise.capture(self.pool, "V1")
         # From now on the executor's model call goes through the wrapper.
         self.executor.model_call = self.wrapper
         self.captured = True
-
-    def _capture_spec_graphs(self) -> FullGraphs:
-        """FULL graphs of uniform speculative verifies: size requests x (1 + k) tokens."""
-        if not self.spec_sizes:
-            return {}
-        q = self.spec_query_len
-        return capture_full_graphs(
-            self.spec_sizes, functools.partial(self._fill_dummy_inputs, query_len=q),
-            functools.partial(self._captured_forward, query_len=q), self.pool,
-            f"{self._label} spec verify", query_len=q,
-        )
 
     def _captured_forward(self, size: int, common: CommonAttentionMetadata,
                           query_len: int = 1) -> torch.Tensor:

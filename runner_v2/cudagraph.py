@@ -25,7 +25,6 @@ attend to nothing, write no KV and are never sampled.
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import torch
@@ -36,6 +35,7 @@ from shared.runtime.cudagraph_utils import (
     BatchDescriptor,
     FullGraphs,
     capture_full_graphs,
+    capture_verify_graphs,
     dispatch_graph,
     fill_dummy_decode,
     graph_sizes,
@@ -58,7 +58,6 @@ class CudaGraphManager:
         self.buffers = buffers
         self.block_tables = block_tables
         self.max_model_len = config.scheduler_config.max_model_len
-        self._label = "V2"
         self.graphs: FullGraphs = {}
         self.piecewise: PiecewiseGraphs | None = None  # set once captured
         self.pool = None  # the one memory pool of every graph, FULL and PIECEWISE
@@ -107,7 +106,9 @@ class CudaGraphManager:
                 self.capture_sizes, self._fill_dummy_inputs, self._captured_forward,
                 self.pool, "V2",
             )
-            self.graphs.update(self._capture_spec_graphs())
+            self.graphs.update(capture_verify_graphs(
+                self.spec_sizes, self.spec_query_len, self._fill_dummy_inputs,
+                self._captured_forward, self.pool, "V2"))
         if self.piecewise_enabled:
             piecewise = PiecewiseGraphs(
                 self.executor.model, self.piecewise_sizes, self.buffers.input_ids,
@@ -115,17 +116,6 @@ class CudaGraphManager:
             )
             piecewise.capture(self.pool, "V2")
             self.piecewise = piecewise
-
-    def _capture_spec_graphs(self) -> FullGraphs:
-        """FULL graphs of uniform speculative verifies: size requests x (1 + k) tokens."""
-        if not self.spec_sizes:
-            return {}
-        q = self.spec_query_len
-        return capture_full_graphs(
-            self.spec_sizes, functools.partial(self._fill_dummy_inputs, query_len=q),
-            functools.partial(self._captured_forward, query_len=q), self.pool,
-            f"{self._label} spec verify", query_len=q,
-        )
 
     def _captured_forward(self, size: int, common: CommonAttentionMetadata,
                           query_len: int = 1) -> torch.Tensor:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import bisect
 import contextlib
+import functools
 import gc
 import logging
 import time
@@ -253,3 +254,20 @@ def capture_full_graphs(
             (free_before - torch.cuda.mem_get_info()[0]) / 1e6,
         )
     return graphs
+
+
+def capture_verify_graphs(
+    sizes: list[int], query_len: int,
+    fill_inputs: Callable[..., CommonAttentionMetadata],
+    forward: Callable[..., torch.Tensor], pool: Any, label: str,
+) -> FullGraphs:
+    """FULL graphs of uniform speculative verifies (`sizes` requests x `query_len` =
+    1 + k tokens), both runners: capture_full_graphs with the runner's own fill and
+    forward, each called with query_len=. {} without speculative decoding."""
+    if not sizes:
+        return {}
+    return capture_full_graphs(
+        sizes, functools.partial(fill_inputs, query_len=query_len),
+        functools.partial(forward, query_len=query_len), pool,
+        f"{label} spec verify", query_len=query_len,
+    )

@@ -49,4 +49,6 @@ def use_eager_graphs(monkeypatch: pytest.MonkeyPatch, *graph_modules: ModuleType
     eager_full = functools.partial(cudagraph_utils.capture_full_graphs, record=record_full_eagerly)
     for module in graph_modules:
         monkeypatch.setattr(module, "capture_full_graphs", eager_full)
+    # capture_verify_graphs (speculative verifies) calls it from cudagraph_utils itself
+    monkeypatch.setattr(cudagraph_utils, "capture_full_graphs", eager_full)
     monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: None)

@@ -137,6 +137,11 @@ def test_greedy_spec_decode_equals_plain_greedy(setup, llama_dir, plain_runs, co
     # spec_preemption, which must, for every configuration)
     expects = () if name == "preemption" else scenario.expects
     assert run.missing_events(expects) == []
+    assert_same_as_plain(ref, run)
+
+
+def assert_same_as_plain(ref, run) -> None:
+    """Every request's tokens and finish reason equal the plain run's; all blocks free."""
     for label, rec in ref.requests.items():
         got = run.requests[label]
         if rec.finish_reason == "abort":

@@ -10,7 +10,7 @@ import pytest
 from shared.harness.diff import DiffSetup, build_engine
 from shared.harness.hf_reference import materialize_checkpoint
 from shared.harness.scenario_run import run_scenario
-from tests.shared.serving.test_spec_decode_engine import scenario_named
+from tests.shared.serving.test_spec_decode_engine import assert_same_as_plain, scenario_named
 
 pytestmark = pytest.mark.gpu
 
@@ -64,14 +64,7 @@ def test_spec_decode_with_graphs_equals_plain(setup, llama_dir, plain_runs, conf
 
     engine.step = recording_step
     run = run_scenario(engine, scenario)
-    for label, rec in plain_runs[name].requests.items():
-        got = run.requests[label]
-        if rec.finish_reason == "abort":
-            common = min(len(rec.token_ids), len(got.token_ids))
-            assert got.token_ids[:common] == rec.token_ids[:common], label
-            continue
-        assert (got.token_ids, got.finish_reason) == (rec.token_ids, rec.finish_reason), label
-    assert run.num_free_blocks == run.num_total_blocks
+    assert_same_as_plain(plain_runs[name], run)
     assert "FULL" in modes or "PIECEWISE" in modes  # graphs really ran
 
 
