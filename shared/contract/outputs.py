@@ -67,15 +67,33 @@ class SpecDecodeStats:
         }
 
 
+@dataclass(frozen=True)
+class Logprob:
+    """One token's entry in a logprobs dict (vLLM's shape): its raw log-probability, its
+    rank among the whole vocabulary (1 = most likely) and its text when the model has a
+    tokenizer."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+# One position's logprobs: token id -> Logprob (the sampled / prompt token and the top-k).
+PositionLogprobs = dict[int, Logprob]
+
+
 @dataclass
 class CompletionOutput:
     index: int
     token_ids: list[int]  # cumulative: every token generated so far
     text: str = ""
-    # one dict per generated token: token id -> logprob (sampled token + top-k requested)
-    logprobs: list[dict[int, float]] | None = None
+    # one dict per generated token (the sampled token + the top-k requested)
+    logprobs: list[PositionLogprobs] | None = None
     finish_reason: str | None = None  # "stop" | "length" | "abort" | None while running
-    stop_reason: int | None = None  # the stop token id when finish_reason == "stop"
+    # the stop token id, or the stop string, when finish_reason == "stop" (None for EOS)
+    stop_reason: int | str | None = None
+    # sum of the sampled tokens' logprobs; None unless logprobs were requested (vLLM)
+    cumulative_logprob: float | None = None
 
 
 @dataclass
@@ -85,6 +103,9 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     prompt: str | None = None
+    # with SamplingParams.prompt_logprobs: one entry per prompt token, None for the first
+    # (nothing predicts it), else the prompt token's and the top-k tokens' logprobs
+    prompt_logprobs: list[PositionLogprobs | None] | None = None
     metrics: dict[str, float] = field(default_factory=dict)
     # None unless the engine runs speculative decoding
     spec_decode_stats: SpecDecodeStats | None = None

@@ -14,10 +14,11 @@ and so is str: neither is a number a caller means to pass.
 
 from __future__ import annotations
 
+import hashlib
 import math
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
-from typing import NoReturn
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field, fields
+from typing import Any, NoReturn
 
 import numpy as np
 
@@ -48,6 +49,17 @@ MAX_REPETITION_PENALTY = 1e3
 
 # presence_penalty and frequency_penalty range (vLLM's).
 MAX_ABS_PENALTY = 2.0
+
+# logit_bias values are clamped to this range by vLLM; here a value outside is refused.
+MAX_ABS_LOGIT_BIAS = 100.0
+
+# Per-request table sizes. V2 keeps each built-in in a fixed-width per-slot device table
+# (runner_v2/sample/), and the engine refuses more at admission so that both runners
+# accept exactly the same requests and none fails mid-step. vLLM's V2 uses the same limits.
+MAX_LOGIT_BIAS_TOKENS = 1024
+MAX_ALLOWED_TOKEN_IDS = 1024
+MAX_BAD_WORDS = 128
+MAX_BAD_WORDS_TOTAL_TOKENS = 1024
 
 _REAL = "a real number (int or float)"
 _INTEGER = "an int"
@@ -82,6 +94,21 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0  # [MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY]
+    # parallel samples of the prompt: sample i uses derive_sample_seed(seed, i)
+    n: int = 1
+    # stop strings, matched on the incrementally detokenised output (needs a tokenizer)
+    stop: str | list[str] | None = None  # stored as a list (empty: none)
+    include_stop_str_in_output: bool = False
+    logit_bias: dict[int, float] | None = None  # token id -> bias added before temperature
+    allowed_token_ids: list[int] | None = None  # None: every token; else only these
+    # banned words: text (tokenised by the engine, needs a tokenizer) ...
+    bad_words: list[str] | None = None
+    # ... or token sequences (runnerlab's form for models without a tokenizer). The last
+    # token of a word is banned when the output ends with the word's other tokens.
+    bad_words_token_ids: list[list[int]] | None = None
+    prompt_logprobs: int | None = None  # top-k logprobs of every prompt token
+    extra_args: dict[str, Any] | None = None  # handed to custom logits processors
+    skip_special_tokens: bool = True  # of the output text
 
     def __post_init__(self) -> None:
         # Idempotent: the engine re-runs it through dataclasses.replace at admission.
@@ -127,10 +154,100 @@ class SamplingParams:
         self._validate_integers()
         self._validate_stop_token_ids()
         self._validate_reals()
-        if not isinstance(self.ignore_eos, (bool, np.bool_)):
-            self._fail("ignore_eos", self.ignore_eos, "a bool",
-                       f", not a {type(self.ignore_eos).__name__}")
-        self.ignore_eos = bool(self.ignore_eos)
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
+            value = getattr(self, name)
+            if not isinstance(value, (bool, np.bool_)):
+                self._fail(name, value, "a bool", f", not a {type(value).__name__}")
+            setattr(self, name, bool(value))
+        self._validate_stop()
+        self._validate_logit_bias()
+        self._validate_allowed_token_ids()
+        self._validate_bad_words()
+        if self.extra_args is not None and not isinstance(self.extra_args, Mapping):
+            self._fail("extra_args", self.extra_args, "None or a dict",
+                       f", not a {type(self.extra_args).__name__}")
+        if self.extra_args is not None:
+            self.extra_args = dict(self.extra_args)
+
+    def _token_ids(self, name: str, value: object, accepted: str, where: str = "") -> list[int]:
+        """A list of non-negative ints from any iterable of them (not a str), or fail."""
+        if isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
+            self._fail(name, value, accepted, f", not a {type(value).__name__}{where}")
+        ids = list(value)
+        for i, t in enumerate(ids):
+            if not _is_integer(t):
+                self._fail(name, value, accepted, f", not a {type(t).__name__} at index {i}{where}")
+            if t < 0:
+                self._fail(name, value, accepted, f" (negative id at index {i}{where})")
+        return [int(t) for t in ids]
+
+    def _validate_stop(self) -> None:
+        accepted = "None, a non-empty str or a list of non-empty strs"
+        stop = self.stop
+        if stop is None:
+            stop = []
+        elif isinstance(stop, str):
+            stop = [stop]
+        elif isinstance(stop, bytes) or not isinstance(stop, Iterable):
+            self._fail("stop", stop, accepted, f", not a {type(stop).__name__}")
+        stop = list(stop)
+        for i, s in enumerate(stop):
+            if not isinstance(s, str) or not s:
+                self._fail("stop", self.stop, accepted, f" (item {i} is {s!r})")
+        self.stop = list(dict.fromkeys(stop))
+
+    def _validate_logit_bias(self) -> None:
+        if self.logit_bias is None:
+            return
+        accepted = (f"None or a dict of token id (int >= 0) -> bias ({_REAL} in "
+                    f"[-{MAX_ABS_LOGIT_BIAS:g}, {MAX_ABS_LOGIT_BIAS:g}])")
+        if not isinstance(self.logit_bias, Mapping):
+            self._fail("logit_bias", self.logit_bias, accepted,
+                       f", not a {type(self.logit_bias).__name__}")
+        bias: dict[int, float] = {}
+        for key, value in self.logit_bias.items():
+            # JSON object keys are strings: accept "123" as vLLM's OpenAI server does
+            token = int(key) if isinstance(key, str) and key.isdigit() else key
+            if not _is_integer(token) or token < 0:
+                self._fail("logit_bias", self.logit_bias, accepted, f" (key {key!r})")
+            if not _is_real(value) or not (math.isfinite(float(value))
+                                           and abs(float(value)) <= MAX_ABS_LOGIT_BIAS):
+                self._fail("logit_bias", self.logit_bias, accepted, f" (value {value!r})")
+            bias[int(token)] = float(value)
+        self.logit_bias = bias
+
+    def _validate_allowed_token_ids(self) -> None:
+        if self.allowed_token_ids is None:
+            return
+        accepted = "None or a non-empty list of token ids (ints >= 0)"
+        ids = self._token_ids("allowed_token_ids", self.allowed_token_ids, accepted)
+        if not ids:
+            self._fail("allowed_token_ids", self.allowed_token_ids, accepted,
+                       " (an empty list would allow no token)")
+        self.allowed_token_ids = list(dict.fromkeys(ids))
+
+    def _validate_bad_words(self) -> None:
+        if self.bad_words is not None:
+            accepted = "None or a list of non-empty strs"
+            if isinstance(self.bad_words, (str, bytes)) or not isinstance(self.bad_words, Iterable):
+                self._fail("bad_words", self.bad_words, accepted,
+                           f", not a {type(self.bad_words).__name__}")
+            words = list(self.bad_words)
+            for i, w in enumerate(words):
+                if not isinstance(w, str) or not w:
+                    self._fail("bad_words", self.bad_words, accepted, f" (item {i} is {w!r})")
+            self.bad_words = words
+        if self.bad_words_token_ids is not None:
+            accepted = "None or a list of non-empty token id lists (ints >= 0)"
+            value = self.bad_words_token_ids
+            if isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
+                self._fail("bad_words_token_ids", value, accepted,
+                           f", not a {type(value).__name__}")
+            words = [self._token_ids("bad_words_token_ids", w, accepted, f" of word {i}")
+                     for i, w in enumerate(value)]
+            if any(not w for w in words):
+                self._fail("bad_words_token_ids", value, accepted, " (an empty word)")
+            self.bad_words_token_ids = words
 
     def _validate_integers(self) -> None:
         self._integer("max_tokens", f"{_INTEGER} >= 1", lambda n: n >= 1)
@@ -141,6 +258,9 @@ class SamplingParams:
         self._integer("min_tokens", f"{_INTEGER} in [0, max_tokens={max_tokens}]",
                       lambda n: 0 <= n <= max_tokens)
         self._integer("logprobs", f"None or {_INTEGER} >= 0", lambda n: n >= 0, optional=True)
+        self._integer("prompt_logprobs", f"None or {_INTEGER} >= 0", lambda n: n >= 0,
+                      optional=True)
+        self._integer("n", f"{_INTEGER} >= 1", lambda n: n >= 1)
 
     def _validate_stop_token_ids(self) -> None:
         accepted = "a list of non-negative token ids (ints)"
@@ -174,9 +294,45 @@ class SamplingParams:
         return self.temperature == 0.0
 
     @property
+    def uses_builtin_processors(self) -> bool:
+        """logit_bias, allowed_token_ids or bad words (text or ids) are set."""
+        return bool(self.logit_bias or self.allowed_token_ids is not None
+                    or self.bad_words or self.bad_words_token_ids)
+
+    @property
     def uses_penalties(self) -> bool:
         return (
             self.presence_penalty != 0.0
             or self.frequency_penalty != 0.0
             or self.repetition_penalty != 1.0
         )
+
+
+SAMPLING_PARAMS_FIELDS: tuple[str, ...] = tuple(f.name for f in fields(SamplingParams))
+_dataclass_init = SamplingParams.__init__
+
+
+def _init_naming_unknown_fields(self: SamplingParams, *args: Any, **kwargs: Any) -> None:
+    # The dataclass __init__ would raise a bare TypeError ("unexpected keyword argument");
+    # a user who misspells a vLLM field (or passes one runnerlab lacks) gets its name and
+    # the accepted ones instead.
+    unknown = [k for k in kwargs if k not in SAMPLING_PARAMS_FIELDS]
+    if unknown:
+        raise SamplingParamsError(
+            f"SamplingParams got unknown field(s) {', '.join(map(repr, unknown))}; accepted "
+            f"fields: {', '.join(SAMPLING_PARAMS_FIELDS)}."
+        )
+    _dataclass_init(self, *args, **kwargs)
+
+
+SamplingParams.__init__ = _init_naming_unknown_fields  # type: ignore[method-assign]
+
+
+def derive_sample_seed(seed: int, index: int) -> int:
+    """The seed of sample `index` of a request with n > 1: sample 0 keeps the request's
+    seed (n = 1 is unchanged); the others get a hash of (seed, index) in [0, 2**63), so
+    the samples' noise streams are unrelated to each other and to nearby seeds."""
+    if index == 0:
+        return seed
+    digest = hashlib.blake2b(f"{seed}:{index}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1

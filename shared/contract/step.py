@@ -76,6 +76,18 @@ class TokenLogprobs:
 
 
 @dataclass
+class PromptLogprobs:
+    """The prompt logprobs one step computed for one request: rows for the prompt
+    positions [start, start + len(ranks)), each the logprob of the prompt token at that
+    position given the tokens before it (position 0 has none: start >= 1)."""
+
+    start: int
+    token_ids: list[list[int]]  # per row: the prompt token, then the top-k ids
+    logprobs: list[list[float]]  # aligned with token_ids
+    ranks: list[int]  # rank of the prompt token (1 = most likely)
+
+
+@dataclass
 class ModelRunnerOutput:
     req_ids: list[str]  # batch order of this step
     req_id_to_index: dict[str, int]
@@ -84,7 +96,8 @@ class ModelRunnerOutput:
     sampled_token_ids: list[list[int]]
     # aligned with req_ids; an entry is None when not requested or nothing was sampled
     logprobs: list[TokenLogprobs | None] | None = None
-    prompt_logprobs: dict[str, object] = field(default_factory=dict)
+    # req_id -> this step's prompt logprobs (requests with SamplingParams.prompt_logprobs)
+    prompt_logprobs: dict[str, PromptLogprobs] = field(default_factory=dict)
     pooler_output: list[object] | None = None
     # Speculative decoding: aligned with req_ids, the drafts proposed for each request's
     # next step ([] for none; -1 entries when the values stay on the device). None when

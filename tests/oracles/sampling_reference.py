@@ -5,12 +5,14 @@ It is written for reading, not speed: loops and O(V**2) sums are fine here.
 
 Per row, on the logits converted to float32 (float64 when the model runs in float64):
 1. raw logprobs = log_softmax(unprocessed logits); returned logprobs use these.
-2. penalties: repetition r on tokens in prompt ∪ outputs (x > 0 ? x / r : x * r), then
+2. built-ins and penalties, in this order: allowed_token_ids (every other token -inf),
+   logit_bias (x += float32(bias)), then repetition r on tokens in prompt ∪ outputs (x > 0 ? x / r : x * r), then
    frequency x -= f * count_in_outputs, then presence x -= p * (count > 0). The prompt
    is the user prompt; outputs are every generated token (also those generated before
    a preemption).
 3. min_tokens: while pos + 1 - prompt_len < min_tokens, the stop ids and EOS (unless
-   ignore_eos) get -inf.
+   ignore_eos) get -inf; then bad words: for each word w of bad_words_token_ids, w[-1]
+   gets -inf when the outputs end with w[:-1] (always for a one-token word).
 4. greedy rows (temperature == 0): argmax of the processed logits, lowest id on ties.
 5. random rows: scaled = x / temperature (in the compute dtype);
    min_p keeps i iff float64(scaled_i) - float64(max scaled) >= log(float64(min_p)) (the same as
@@ -112,9 +114,17 @@ def processed_logits(
     output_token_ids: Sequence[int],
     eos_token_id: int | None,
 ) -> np.ndarray:
-    """Steps 2 and 3: penalties, then the min_tokens mask. x is not modified."""
+    """Steps 2 and 3: built-ins, penalties, the min_tokens mask, bad words. x is not
+    modified."""
     x = x.copy()
     dt = x.dtype.type
+    if params.allowed_token_ids is not None:
+        allowed = np.zeros(len(x), dtype=bool)
+        allowed[[t for t in params.allowed_token_ids if t < len(x)]] = True
+        x[~allowed] = -np.inf
+    for t, b in (params.logit_bias or {}).items():
+        if t < len(x):
+            x[t] = x[t] + dt(np.float32(b))
     counts: dict[int, int] = {}
     for t in output_token_ids:
         counts[t] = counts.get(t, 0) + 1
@@ -134,6 +144,12 @@ def processed_logits(
         for t in banned:
             if t < len(x):
                 x[t] = -np.inf
+    outputs = list(output_token_ids)
+    for word in params.bad_words_token_ids or []:
+        prefix = list(word[:-1])
+        if not prefix or outputs[len(outputs) - len(prefix):] == prefix:
+            if word[-1] < len(x):
+                x[word[-1]] = -np.inf
     return x
 
 
