@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 
@@ -109,3 +110,21 @@ class RequestOutput:
     metrics: dict[str, float] = field(default_factory=dict)
     # None unless the engine runs speculative decoding
     spec_decode_stats: SpecDecodeStats | None = None
+
+
+def make_position_logprobs(
+    token_ids: list[int],
+    logprobs: list[float],
+    rank: int,
+    decode: Callable[[int], str] | None = None,
+) -> PositionLogprobs:
+    """One position's dict from a runner's row: token_ids[0] is the sampled (or prompt)
+    token with `rank`; the rest are the top-k in order, ranks 1, 2, ... A token that is
+    both keeps the first entry (its true rank). decode: token id -> text, or None."""
+    out: PositionLogprobs = {}
+    for i, (token, lp) in enumerate(zip(token_ids, logprobs)):
+        if token in out:
+            continue
+        out[token] = Logprob(float(lp), rank if i == 0 else i,
+                             None if decode is None else decode(token))
+    return out
