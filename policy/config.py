@@ -18,6 +18,7 @@ from pydantic.dataclasses import dataclass
 from policy import features as feature_table
 from policy.errors import field_error as _fail
 from policy.kernel_options import KernelOptions
+from policy.logits_processors import LogitsProcessorSpec
 from policy.model_config import ModelConfig, WeightSource
 from policy.selection import RunnerDecision
 from policy.speculative import SpeculativeConfig, SpeculativeSettings  # noqa: F401 (re-export)
@@ -104,7 +105,8 @@ class EngineConfig:
     # speculative_config.draft_model_config (method="draft_model").
     speculative_config: SpeculativeSettings | None = None
     kernel_options: KernelOptions = field(default_factory=KernelOptions)
-    logits_processors: list[str] = field(default_factory=list)
+    # resolved: class names and the runner interface each implements
+    logits_processors: list[LogitsProcessorSpec] = field(default_factory=list)
     pooling_task: str | None = None
     enable_prompt_embeds: bool = False
 

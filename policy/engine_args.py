@@ -33,6 +33,7 @@ from policy.config import (
     resolve_scheduler,
 )
 from policy.kernel_options import KernelOptions
+from policy.logits_processors import resolve_logits_processors
 from policy.model_config import (
     RUNNERLAB_ARCHITECTURES,
     ModelConfig,
@@ -134,9 +135,17 @@ class EngineArgs(BaseModel):
         parallel = resolve_parallel(self.tensor_parallel_size, self.pipeline_parallel_size)
         speculative = resolve_speculative(self.speculative_config, model, device,
                                           self.load_format)
+        processors = resolve_logits_processors(list(self.logits_processors))
+        if processors and speculative is not None:
+            raise ValueError(
+                f"logits_processors={[p.name for p in processors]} with speculative decoding is "
+                "not supported yet (the rejection samplers do not run custom processors); set "
+                "logits_processors=[] or speculative_config=None"
+            )
         decision = decide_runner(
             model, feature_table.requested_features(self), model_runner=self.model_runner,
             env_use_v2=env_use_v2, device=device, strict=strict,
+            details=feature_table.feature_details(self),
         )
         compilation = resolve_compilation(device, self.cudagraph_mode, self.enforce_eager,
                                           self.cudagraph_capture_sizes, scheduler)
@@ -154,7 +163,7 @@ class EngineArgs(BaseModel):
             attention_backend_source=backend_source, runner_decision=decision,
             speculative_config=speculative,
             kernel_options=self._kernel_options(),
-            logits_processors=list(self.logits_processors), pooling_task=self.pooling_task,
+            logits_processors=processors, pooling_task=self.pooling_task,
             enable_prompt_embeds=self.enable_prompt_embeds,
         )
         return config, blockers

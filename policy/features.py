@@ -13,6 +13,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from policy import logits_processors
+
 Runner = Literal["v1", "v2"]
 Status = Literal["supported", "unsupported-yet"]
 
@@ -35,6 +37,10 @@ class Feature:
     @property
     def v2_only(self) -> bool:
         return self.v2 == SUPPORTED and self.v1 != SUPPORTED
+
+
+LOGITS_PROCESSORS_V1 = "custom logits processors (V1 interface)"
+LOGITS_PROCESSORS_V2 = "custom logits processors (V2 interface)"
 
 
 def _spec(s: dict[str, Any], name: str, value: str) -> bool:
@@ -73,10 +79,19 @@ FEATURES: tuple[Feature, ...] = (
         lambda s: _spec(s, "rejection_sample_method", "block"),
         "V2 only; V1 accepts it and silently never reads it",
     ),
+    # Custom logits processors: one row per interface (policy/logits_processors.py), since
+    # each runner's interface follows its own state protocol and neither can run the other's.
     Feature(
-        "custom logits processors", UNSUPPORTED, UNSUPPORTED, "logits_processors=[]",
-        lambda s: bool(s["logits_processors"]),
-        "V1 (BatchUpdate-driven); V2 falls back to V1, later a slot-keyed API",
+        LOGITS_PROCESSORS_V1, SUPPORTED, UNSUPPORTED, "logits_processors=[]",
+        lambda s: "v1" in s["logits_processor_interfaces"],
+        "V1 (update_state with BatchUpdate: added / removed / moved); V2 long refused them "
+        "and falls back to V1",
+    ),
+    Feature(
+        LOGITS_PROCESSORS_V2, UNSUPPORTED, SUPPORTED, "logits_processors=[]",
+        lambda s: "v2" in s["logits_processor_interfaces"],
+        "newer V2 only: a slot-keyed interface (add_request / remove_request / apply with "
+        "idx_mapping) that V1-style processors cannot use",
     ),
     Feature(
         "pooling", UNSUPPORTED, UNSUPPORTED, "pooling_task=None",
@@ -145,6 +160,7 @@ def _settings(obj: Any) -> dict[str, Any]:
     return {
         "speculative_config": obj.speculative_config,
         "logits_processors": obj.logits_processors,
+        "logits_processor_interfaces": logits_processors.interfaces(obj.logits_processors),
         "pooling_task": obj.pooling_task,
         "enable_prompt_embeds": obj.enable_prompt_embeds,
         "cudagraph_mode": mode,
@@ -152,6 +168,19 @@ def _settings(obj: Any) -> dict[str, Any]:
         "pipeline_parallel_size": pp,
         "async_scheduling": async_scheduling,
     }
+
+
+def feature_details(obj: Any) -> dict[str, str]:
+    """Per requested feature label, what in the configuration asks for it, where a label
+    alone does not say (the processors' names), for the decision's messages."""
+    by_interface: dict[str, list] = {"v1": [], "v2": []}
+    for spec in logits_processors.resolve_logits_processors(list(obj.logits_processors)):
+        by_interface[spec.interface].append(spec.name)
+    out = {}
+    for label, interface in ((LOGITS_PROCESSORS_V1, "v1"), (LOGITS_PROCESSORS_V2, "v2")):
+        if by_interface[interface]:
+            out[label] = ", ".join(by_interface[interface])
+    return out
 
 
 def feature(label: str) -> Feature:

@@ -24,6 +24,7 @@ feature neither runner supports is an error whatever the source.
 
 from __future__ import annotations
 
+import functools
 from importlib.util import find_spec
 from typing import Any, Literal
 
@@ -122,11 +123,14 @@ def decide_runner(
     env_use_v2: bool | None = None,
     device: str = "cpu",
     strict: bool = True,
+    details: dict[str, str] | None = None,
 ) -> RunnerDecision:
     """Decide the runner. `model` is a ModelConfig (or anything with its trait attributes).
 
     strict=True raises RunnerSelectionError where the configuration cannot run; strict=False
-    (explain) records the message in `decision.error` instead."""
+    (explain) records the message in `decision.error` instead. details: label -> what asks
+    for that feature (e.g. the processors' names), printed after the label in messages."""
+    named = functools.partial(_named, details=details or {})
     unsupported = {r: feature_table.unsupported_for(r, requested) for r in ("v1", "v2")}
     eligible, eligibility_reason = model_eligibility(model)
     reasons: list[str] = []
@@ -140,7 +144,7 @@ def decide_runner(
         reasons.append(f"{RUNNERLAB_USE_V2_MODEL_RUNNER}={'1' if env_use_v2 else '0'}")
     elif feature_table.v2_only(requested):
         runner, source = "v2", "forced"
-        reasons.append(f"{', '.join(feature_table.v2_only(requested))} is supported only by V2")
+        reasons.append(f"{named(feature_table.v2_only(requested))} is supported only by V2")
     else:
         runner, source = eligible, "policy"
     if source == "argument" and env_use_v2 is not None:
@@ -153,7 +157,7 @@ def decide_runner(
     if not model.supported_by_runnerlab:
         reasons.append(f"runnerlab implements neither runner for {model.architecture}")
 
-    error = _split_error(requested)
+    error = _split_error(requested, named)
     if error is None and runner == "v2":
         runner, error = _triton_gate(runner, source, device, env_use_v2, reasons, warnings)
 
@@ -162,13 +166,13 @@ def decide_runner(
         fallback_ok = source == "policy" and runner == "v2" and not unsupported["v1"]
         if fallback_ok:
             drop = feature_table.how_to_drop(blocked)
-            message = (f"V2 does not yet support {', '.join(blocked)}; using V1 "
+            message = (f"V2 does not yet support {named(blocked)}; using V1 "
                        f"(set {drop} to use V2)")
             warnings.append(f"Model runner {message}")
             reasons.insert(0, message)
             runner = "v1"
         else:
-            error = _feature_error(runner, source, env_use_v2, blocked, unsupported)
+            error = _feature_error(runner, source, env_use_v2, blocked, unsupported, named)
     if error is not None and strict:
         raise RunnerSelectionError(error)
     return RunnerDecision(
@@ -195,7 +199,12 @@ def _triton_gate(runner: str, source: str, device: str, env_use_v2: bool | None,
                   f"choose V1 with {_force_hint('v1')}")
 
 
-def _split_error(requested: list[str]) -> str | None:
+def _named(labels: list[str], details: dict[str, str]) -> str:
+    return ", ".join(f"{label} [{details[label]}]" if label in details else label
+                     for label in labels)
+
+
+def _split_error(requested: list[str], named) -> str | None:
     """Requested features that only V1 has together with ones that only V2 has."""
     def only_by(runner: str) -> list[str]:
         return [f for f in requested if _supports(runner, f) and not _supports(_other(runner), f)]
@@ -203,7 +212,7 @@ def _split_error(requested: list[str]) -> str | None:
     only = {r: only_by(r) for r in ("v1", "v2")}
     if not (only["v1"] and only["v2"]):
         return None
-    v1_only, v2_only = ", ".join(only["v1"]), ", ".join(only["v2"])
+    v1_only, v2_only = named(only["v1"]), named(only["v2"])
     return (f"No model runner supports {v1_only} together with {v2_only}: {v1_only} is "
             f"supported only by V1, {v2_only} only by V2; drop one side: set "
             f"{feature_table.how_to_drop(only['v1'])} or {feature_table.how_to_drop(only['v2'])}.")
@@ -219,18 +228,18 @@ def _switch_hint(runner: str, source: str) -> str:
 
 
 def _feature_error(runner: str, source: str, env_use_v2: bool | None, blocked: list[str],
-                   unsupported: dict[str, list[str]]) -> str:
+                   unsupported: dict[str, list[str]], named) -> str:
     other = _other(runner)
     if source == "policy" and all(f in unsupported[other] for f in blocked):
-        return (f"No model runner supports {', '.join(blocked)} yet; "
+        return (f"No model runner supports {named(blocked)} yet; "
                 f"set {feature_table.how_to_drop(blocked)}.")
     head = (f"Model runner {runner.upper()} (chosen by {_source_words(source, runner, env_use_v2)}) "
-            f"does not support: {', '.join(blocked)}.")
+            f"does not support: {named(blocked)}.")
     if not unsupported[other]:
         return (f"{head} {other.upper()} supports them: use {_switch_hint(other, source)}, "
                 f"or set {feature_table.how_to_drop(blocked)}.")
     # (_split_error has refused the case where the other runner lacks only features this
     # one has, so some blocked feature is missing from both)
     neither = [f for f in blocked if f in unsupported[other]]
-    return (f"{head} No runner supports {', '.join(neither)} yet; "
+    return (f"{head} No runner supports {named(neither)} yet; "
             f"set {feature_table.how_to_drop(blocked)}.")

@@ -31,6 +31,7 @@ class AddedRequest:
     sampling_params: SamplingParams
     # A live reference to the request's generated tokens (grows as the request decodes).
     output_token_ids: list[int]
+    prompt_token_ids: tuple[int, ...] = ()  # the user prompt
 
 
 @dataclass(frozen=True)
@@ -77,12 +78,14 @@ class BatchUpdateBuilder:
         req_id: str,
         sampling_params: SamplingParams,
         output_token_ids: list[int],
+        prompt_token_ids: tuple[int, ...] = (),
     ) -> None:
         self._check_no_moves("added")
         # Refilling a hole: the row is no longer empty at the end of the step, but the
         # `added` entry still tells consumers that its previous occupant is gone.
         self._removed.discard(row)
-        self._added[row] = AddedRequest(row, req_id, sampling_params, output_token_ids)
+        self._added[row] = AddedRequest(row, req_id, sampling_params, output_token_ids,
+                                        tuple(prompt_token_ids))
 
     def moved(self, src: int, dst: int, directionality: MoveDirectionality) -> None:
         self._moved.append(MovedRequest(src, dst, directionality))

@@ -22,6 +22,7 @@ import torch
 from policy.config import EngineConfig
 from runner_v1.cudagraph import V1CudaGraphs
 from runner_v1.in_flight_tokens import InFlightTokens
+from runner_v1.logits_processor import BatchProcessorContext, V1LogitsProcessors
 from runner_v1.persistent_batch import PersistentBatch
 from runner_v1.prepare_inputs import InputBuffers, PreparedInputs, prepare_inputs
 from runner_v1.request_state import CachedRequestState
@@ -79,7 +80,11 @@ class GPUModelRunner(RunnerSetupMixin):
         )
         self.buffers = InputBuffers(self.max_num_reqs, self.max_num_tokens, device)
         self.requests: dict[str, CachedRequestState] = {}
-        self.sampler = Sampler()
+        self.logits_processors = V1LogitsProcessors(
+            config.logits_processors,
+            BatchProcessorContext(self.max_num_reqs, config.model_config.vocab_size, device),
+        )
+        self.sampler = Sampler(self.logits_processors)
         self.timer = StageTimer("runner_v1", use_cuda_events=device.type == "cuda")
         self.graphs = V1CudaGraphs(
             config, device, self.executor, self.buffers, self.persistent_batch
@@ -126,7 +131,7 @@ class GPUModelRunner(RunnerSetupMixin):
                 # now so its records are not folded into the next step's. Nothing will
                 # read the latest sampled ids on the device: land them too.
                 self.in_flight.land(self.persistent_batch, keep_latest=False)
-                self.persistent_batch.refresh_sampling_metadata()
+                self._refresh_sampling_metadata()
                 self._state = None
                 return None
             batch = self.persistent_batch
@@ -159,12 +164,21 @@ class GPUModelRunner(RunnerSetupMixin):
                     batch.block_table.block_table.gpu, self.block_size
                 )
                 attn_metadata = self.executor.build_attn_metadata(common)
-            sampling_metadata = batch.refresh_sampling_metadata()
+            sampling_metadata = self._refresh_sampling_metadata()
         self.timer.stats.cudagraph_mode = plan.mode
         with self.timer.stage("forward"):
             hidden = self.graphs.run(plan, inputs, attn_metadata)
         self._state = _ExecuteState(inputs, hidden, sampling_metadata, req_ids, spec)
         return None
+
+    def _refresh_sampling_metadata(self) -> SamplingMetadata:
+        """The sampler's view of the batch; the step's row changes go to the custom
+        processors at once (every step that emits a BatchUpdate, or its records would be
+        lost or folded into the next step's)."""
+        metadata = self.persistent_batch.refresh_sampling_metadata()
+        if self.logits_processors:
+            self.logits_processors.update_state(self.persistent_batch.last_batch_update)
+        return metadata
 
     def sample_tokens(self, grammar_output: Any = None) -> ModelRunnerOutput:
         state, self._state = self._state, None
@@ -172,9 +186,11 @@ class GPUModelRunner(RunnerSetupMixin):
             return ModelRunnerOutput.empty()
         inputs = state.inputs
         with self.timer.stage("sample"):
-            if self.in_flight and state.sampling_metadata.repetition_penalty is not None:
-                # The penalties count output tokens on the host: wait for the copy of the
-                # latest step's (it overlapped this step's forward) and land them.
+            if self.in_flight and (state.sampling_metadata.repetition_penalty is not None
+                                   or self.logits_processors):
+                # The penalties (and custom processors, through their live output lists)
+                # read output tokens on the host: wait for the copy of the latest step's
+                # (it overlapped this step's forward) and land them.
                 self.in_flight.land(self.persistent_batch, keep_latest=False)
             if state.spec is not None:
                 spec_out = self._sample_spec(state)

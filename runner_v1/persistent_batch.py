@@ -168,7 +168,8 @@ class PersistentBatch:
             raise RuntimeError(f"PersistentBatch is full ({self.max_num_reqs} rows)")
         # Recorded first: the builder refuses an add after a move, before anything changed.
         self.batch_update_builder.added(
-            row, req_id, request.sampling_params, request.output_token_ids
+            row, req_id, request.sampling_params, request.output_token_ids,
+            tuple(request.prompt_token_ids[: request.prompt_len]),
         )
         if self._free_rows:
             heapq.heappop(self._free_rows)

@@ -16,6 +16,7 @@ import math
 
 import torch
 
+from runner_v1.logits_processor import V1LogitsProcessors
 from runner_v1.sampling_metadata import SamplingMetadata
 from shared.contract.sampler_output import SamplerOutput
 from shared.sampling.noise import gumbel_noise
@@ -26,17 +27,22 @@ def compute_dtype(logits: torch.Tensor) -> torch.dtype:
 
 
 class Sampler:
+    def __init__(self, logits_processors: V1LogitsProcessors | None = None) -> None:
+        # custom processors run last, on the processed logits, before temperature
+        self.logits_processors = logits_processors
+
     def __call__(
         self, logits: torch.Tensor, metadata: SamplingMetadata, positions: torch.Tensor | None
     ) -> SamplerOutput:
         """positions: each logit's input position (it keys a random row's noise); may be
         None when every row is greedy."""
+        processors = self.logits_processors
         assert logits.dim() == 2 and logits.shape[0] == metadata.num_reqs
         # greedy rows never read their positions (sample() returns before the noise)
         assert metadata.all_greedy or (positions is not None
                                        and positions.shape == (logits.shape[0],))
         if (metadata.repetition_penalty is None and not metadata.min_tokens_stop_ids
-                and metadata.max_num_logprobs is None):
+                and metadata.max_num_logprobs is None and not processors):
             # Nothing reads a compute-dtype copy of the logits: sample() takes them as they
             # are (an all-greedy batch: their argmax; otherwise it divides them by the
             # temperature in the compute dtype, promotion widening exactly as the copy
@@ -45,6 +51,10 @@ class Sampler:
         raw = logits.to(compute_dtype(logits))
         x = apply_penalties(raw, metadata)
         x = apply_min_tokens(x, metadata)
+        if processors:
+            # processors may write in place: never into the raw logits (logprobs read them)
+            x = processors.apply(x.clone() if x is raw or x is logits else x,
+                                 metadata.all_greedy)
         tokens = sample(x, metadata, positions)
         if metadata.max_num_logprobs is None:
             return SamplerOutput(tokens, None, None, None)

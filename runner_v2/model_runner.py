@@ -21,6 +21,7 @@ from policy.config import EngineConfig
 from runner_v2.block_tables import BlockTables
 from runner_v2.cudagraph import CudaGraphManager
 from runner_v2.input_batch import InputBatch, InputBuffers, gather_batch_req_state, prepare_inputs
+from runner_v2.logits_processor import SlotProcessorContext, V2LogitsProcessors
 from runner_v2.post_update import post_update
 from runner_v2.sample.sampler import Sampler
 from runner_v2.sample.states import SamplingStates
@@ -70,7 +71,13 @@ class GPUModelRunner(RunnerSetupMixin):
         self.sampling_states = SamplingStates(R, vocab, device)
         self.block_tables = BlockTables(R, -(-L // self.block_size), T, self.block_size, device)
         self.buffers = InputBuffers(R, T, device)
-        self.sampler = Sampler(self.sampling_states)
+        rs = self.req_states
+        self.logits_processors = V2LogitsProcessors(
+            config.logits_processors,
+            SlotProcessorContext(R, vocab, device, rs.all_token_ids.gpu, rs.total_len.gpu,
+                                 rs.prompt_len.gpu),
+        )
+        self.sampler = Sampler(self.sampling_states, self.logits_processors)
         self.cudagraph_manager = CudaGraphManager(
             config, device, self.executor, self.buffers, self.block_tables
         )
@@ -230,18 +237,25 @@ class GPUModelRunner(RunnerSetupMixin):
         self.req_states.reset()
         self.block_tables.discard_staged_writes()
         self.sampling_states.discard_staged_writes()
+        if self.logits_processors:
+            self.logits_processors.reset()
 
     # ---- state updates ------------------------------------------------------------------
     def _finish_requests(self, so: SchedulerOutput) -> None:
         # Preemption is completion here: a resumed request comes back as a new one.
         for req_id in so.finished_req_ids | so.preempted_req_ids:
-            self.req_states.remove_request(req_id)
+            self._remove_request(req_id)
+
+    def _remove_request(self, req_id: str) -> None:
+        row = self.req_states.remove_request(req_id)
+        if row is not None and self.logits_processors:
+            self.logits_processors.remove_request(row)
 
     def _add_requests(self, so: SchedulerOutput) -> None:
         for new in so.scheduled_new_reqs:
             # Covers abort-then-resubmit of the same id in one step: the old row is
             # freed (if the finish did not already) and the new request gets a fresh one.
-            self.req_states.remove_request(new.req_id)
+            self._remove_request(new.req_id)
             row = self.req_states.add_request(
                 new.req_id, new.prompt_len, new.prompt_token_ids, new.num_computed_tokens
             )
@@ -250,6 +264,8 @@ class GPUModelRunner(RunnerSetupMixin):
                 row, new.sampling_params, new.prompt_token_ids[: new.prompt_len],
                 new.prompt_token_ids, new.eos_token_id,
             )
+            if self.logits_processors:
+                self.logits_processors.add_request(row, new.sampling_params)
 
     def _update_requests(self, so: SchedulerOutput) -> None:
         cached = so.scheduled_cached_reqs

@@ -13,6 +13,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from runner_v2.logits_processor import V2LogitsProcessors
 from runner_v2.sample.gumbel import gumbel_sample
 from runner_v2.sample.logprobs import compute_logprobs
 from runner_v2.sample.penalties import apply_penalties_and_min_tokens
@@ -23,8 +24,11 @@ from shared.sampling.noise_kernels import NOISE_BLOCK
 
 
 class Sampler:
-    def __init__(self, states: SamplingStates) -> None:
+    def __init__(self, states: SamplingStates,
+                 logits_processors: V2LogitsProcessors | None = None) -> None:
         self.states = states
+        # custom processors run last, on the processed logits, before temperature
+        self.logits_processors = logits_processors
         self._workspace: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def _gumbel_workspace(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -54,6 +58,11 @@ class Sampler:
             x = apply_penalties_and_min_tokens(
                 logits, idx_mapping, positions, st, flags.any_penalties, flags.any_min_tokens
             )
+        if self.logits_processors:
+            if x is logits:  # processors may write in place; logprobs read the raw logits
+                x = logits.to(torch.float64 if logits.dtype == torch.float64 else torch.float32,
+                              copy=True)
+            x = self.logits_processors.apply(x, idx_mapping)
         threshold = None
         if flags.any_filter:
             threshold = compute_thresholds(

@@ -118,7 +118,8 @@ def generate_main(argv: list[str]) -> int:
                 "finish_reason": c.finish_reason,
             }
             if args.logprobs is not None:  # JSON keys are strings: token id -> logprob
-                record["logprobs"] = [{str(t): lp for t, lp in d.items()} for d in c.logprobs or []]
+                record["logprobs"] = [{str(t): lp.logprob for t, lp in d.items()}
+                                      for d in c.logprobs or []]
             print(json.dumps(record))
         else:
             print(c.text if llm.get_tokenizer() is not None else " ".join(map(str, c.token_ids)))

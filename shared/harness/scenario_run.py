@@ -151,7 +151,8 @@ class _OutputTracker:
                 label = pending.pop(0)
             else:
                 label = self._current[out.request_id]
-            logprobs = None if c.logprobs is None else [dict(d) for d in c.logprobs]
+            logprobs = None if c.logprobs is None else [
+                {t: lp.logprob for t, lp in d.items()} for d in c.logprobs]
             self.records[label] = RequestRecord(list(c.token_ids), logprobs, c.finish_reason)
 
 

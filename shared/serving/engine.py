@@ -21,11 +21,20 @@ import numpy as np
 import torch
 
 from policy.config import EngineConfig
+from policy.logits_processors import load_class
 from shared.contract.outputs import CompletionOutput, RequestOutput, SpecDecodeStats
 from shared.contract.sampling_params import SamplingParams, SamplingParamsError
 from shared.contract.step import SchedulerOutput
 from shared.runtime.kernel_options import use_kernel_options
+from shared.serving.detokenizer import IncrementalDetokenizer, decode_token
+from shared.serving.parallel_sampling import ParentRequest, child_params
 from shared.serving.request import Request
+from shared.serving.request_params import (
+    check_text_fields,
+    check_vocabulary_fields,
+    spec_decode_unsupported,
+    tokenize_bad_words,
+)
 from shared.serving.scheduler import Scheduler
 
 logger = logging.getLogger("runnerlab")
@@ -104,6 +113,12 @@ class LLMEngine:
         # generation needs, and O(1) per request per step instead of copying every
         # request's whole output on every step.
         self.stream_outputs = True
+        # n > 1: parent id -> its samples' collector; child id -> (parent, sample index)
+        self._parents: dict[str, ParentRequest] = {}
+        self._child_of: dict[str, tuple[ParentRequest, int]] = {}
+        # custom logits processors: their classes' admission checks (validate_params)
+        self._processor_classes = [load_class(s) for s in config.logits_processors]
+        self.scheduler.decode_token = self._decode_token
 
     def _set_up_runner(self, config: Any) -> int:
         """Runner, weights, KV cache, CUDA graphs; returns the number of KV blocks."""
@@ -135,6 +150,15 @@ class LLMEngine:
         return self._tokenizer
 
     @property
+    def _model_name(self) -> str:
+        return str(self.model_config.preset or self.model_config.model_dir)
+
+    def _decode_token(self, token_id: int) -> str | None:
+        """A logprobs entry's text (None without a tokenizer)."""
+        tokenizer = self.tokenizer
+        return None if tokenizer is None else decode_token(tokenizer, token_id)
+
+    @property
     def eos_token_id(self) -> int | None:
         eos = getattr(self.model_config.hf_config, "eos_token_id", None)
         if isinstance(eos, list):
@@ -145,16 +169,11 @@ class LLMEngine:
     def add_request(
         self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams
     ) -> None:
-        """Queue one request. A bad request raises EngineInputError before anything is
-        queued, so the requests already in flight are untouched."""
+        """Queue one request (n > 1: its n samples). A bad request raises EngineInputError
+        before anything is queued, so the requests already in flight are untouched."""
         if not isinstance(request_id, str):
             raise EngineInputError(
                 f"request id {request_id!r} is a {type(request_id).__name__}; pass a str"
-            )
-        if request_id in self.scheduler.requests:
-            raise EngineInputError(
-                f"request id {request_id!r} is already in use by a running or waiting request; "
-                "use a new id, or abort_request() the first one before resubmitting"
             )
         prompt_token_ids = self._validate_prompt(request_id, prompt_token_ids)
         params = self._validate_params(request_id, sampling_params)
@@ -162,7 +181,31 @@ class LLMEngine:
             # Every request gets a seed at admission, so its random stream is a pure
             # function of (seed, position, vocab id) in both runners.
             params.seed = self._seed_rng.randrange(2**63)
+        if params.n == 1:
+            self._check_id_free(request_id)
+            self._queue(request_id, prompt_token_ids, params)
+            return
+        parent = ParentRequest(request_id, params.n)
+        for rid in (request_id, *parent.child_ids):
+            self._check_id_free(rid)
+        self._parents[request_id] = parent
+        for i, child_id in enumerate(parent.child_ids):
+            self._child_of[child_id] = (parent, i)
+            self._queue(child_id, prompt_token_ids, child_params(params, i))
+
+    def _check_id_free(self, request_id: str) -> None:
+        if (request_id in self.scheduler.requests or request_id in self._parents
+                or request_id in self._child_of):
+            raise EngineInputError(
+                f"request id {request_id!r} is already in use by a running or waiting request "
+                "(or one of its n samples); use a new id, or abort_request() the first one "
+                "before resubmitting"
+            )
+
+    def _queue(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
         request = Request(request_id, prompt_token_ids, params, self.eos_token_id, self._arrivals)
+        if params.stop:
+            request.detokenizer = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params)
         self._arrivals += 1
         self.scheduler.add_request(request)
 
@@ -233,6 +276,23 @@ class LLMEngine:
                 f"request {request_id!r}: SamplingParams.stop_token_ids {bad_stops} are outside "
                 f"the vocabulary [0, {self.vocab_size})"
             )
+        try:
+            check_vocabulary_fields(params, self.vocab_size)
+            check_text_fields(params, self.tokenizer, self._model_name)
+            if params.bad_words:
+                # the runners read token sequences only: the words' tokens join the ids
+                words = list(params.bad_words_token_ids or [])
+                for ids in tokenize_bad_words(self.tokenizer, params.bad_words):
+                    if ids not in words:
+                        words.append(ids)
+                params.bad_words_token_ids = words
+                check_vocabulary_fields(params, self.vocab_size)  # the merged count
+            for cls in self._processor_classes:
+                validate = getattr(cls, "validate_params", None)
+                if validate is not None:
+                    validate(params, self.vocab_size)
+        except ValueError as exc:
+            raise EngineInputError(f"request {request_id!r}: {exc}") from exc
         if self.num_speculative_tokens:
             self._check_spec_decode_params(request_id, params)
         if params.min_tokens > 0:
@@ -250,13 +310,7 @@ class LLMEngine:
 
     def _check_spec_decode_params(self, request_id: str, params: SamplingParams) -> None:
         """What the rejection samplers do not implement yet is refused, never ignored."""
-        unsupported = []
-        if params.uses_penalties:
-            unsupported.append("presence/frequency/repetition penalties")
-        if params.min_tokens > 0:
-            unsupported.append(f"min_tokens={params.min_tokens}")
-        if params.logprobs is not None:
-            unsupported.append(f"logprobs={params.logprobs}")
+        unsupported = spec_decode_unsupported(params)
         if unsupported:
             raise EngineInputError(
                 f"request {request_id!r}: {', '.join(unsupported)} with speculative decoding "
@@ -265,9 +319,14 @@ class LLMEngine:
             )
 
     def abort_request(self, request_ids: Iterable[str] | str) -> None:
+        """Abort requests by id; a parent id (n > 1) aborts all of its samples."""
         if isinstance(request_ids, str):
             request_ids = [request_ids]
-        self.scheduler.abort_requests(list(request_ids))
+        ids: list[str] = []
+        for rid in request_ids:
+            parent = self._parents.get(rid)
+            ids.extend(parent.child_ids if parent is not None else [rid])
+        self.scheduler.abort_requests(ids)
 
     def has_unfinished_requests(self) -> bool:
         # Finished-but-unreported requests (aborts) count: the next step tells the runner
@@ -339,8 +398,30 @@ class LLMEngine:
                 if update.finished:
                     self.spec_decode_stats.merge(update.request.spec_decode_stats)
         if not self.stream_outputs:
-            return [self._to_request_output(u) for u in updates if u.finished]
-        return [self._to_request_output(u) for u in updates]
+            updates = [u for u in updates if u.finished]
+        outputs = [self._to_request_output(u) for u in updates]
+        return self._gather_samples(outputs) if self._parents else outputs
+
+    def _gather_samples(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
+        """The children's outputs (n > 1) become their parent's: one output per parent that
+        advanced (streaming) or finished (not streaming)."""
+        result, touched = [], {}
+        for out in outputs:
+            child = self._child_of.get(out.request_id)
+            if child is None:
+                result.append(out)
+                continue
+            parent, index = child
+            parent.record(index, out)
+            if out.finished:
+                del self._child_of[out.request_id]
+            touched[parent.request_id] = parent
+        for parent in touched.values():
+            if parent.finished:
+                del self._parents[parent.request_id]
+            if parent.finished or self.stream_outputs:
+                result.append(parent.output())
+        return result
 
     @property
     def step_stats(self):
@@ -348,17 +429,24 @@ class LLMEngine:
 
     def _to_request_output(self, update: Any) -> RequestOutput:
         req: Request = update.request
+        params = req.sampling_params
         text = ""
-        if self.tokenizer is not None:
-            text = self.tokenizer.decode(req.output_token_ids, skip_special_tokens=True)
-        logprobs = req.logprobs if req.sampling_params.logprobs is not None else None
+        if req.detokenizer is not None:  # stop strings: the text as matched, truncated
+            text = req.detokenizer.output_text
+        elif self.tokenizer is not None:
+            # Without stop strings nothing needs the text before it is returned, so it is
+            # decoded here rather than token by token inside the engine loop.
+            text = self.tokenizer.decode(req.output_token_ids,
+                                         skip_special_tokens=params.skip_special_tokens)
+        wants_logprobs = params.logprobs is not None
         completion = CompletionOutput(
             index=0,
             token_ids=list(req.output_token_ids),
             text=text,
-            logprobs=logprobs,
+            logprobs=list(req.logprobs) if wants_logprobs else None,
             finish_reason=req.finish_reason,
             stop_reason=req.stop_reason,
+            cumulative_logprob=req.cumulative_logprob if wants_logprobs else None,
         )
         return RequestOutput(
             request_id=req.request_id,

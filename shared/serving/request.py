@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
+from typing import Any
 
-from shared.contract.outputs import SpecDecodeStats
+from shared.contract.outputs import PositionLogprobs, SpecDecodeStats
 from shared.contract.sampling_params import SamplingParams
 
 
@@ -68,7 +69,11 @@ class Request:
         self.block_hashes: list[bytes] = []
         # One dict (token id -> logprob) per output token, when logprobs were requested;
         # kept across preemption like the output tokens themselves.
-        self.logprobs: list[dict[int, float]] = []
+        self.logprobs: list[PositionLogprobs] = []
+        self.cumulative_logprob = 0.0  # of the sampled tokens, when logprobs were requested
+        # Set by the engine for requests with stop strings (shared/serving/detokenizer.py):
+        # the scheduler feeds it every output token and stops on a match.
+        self.detokenizer: Any = None
         self.stop_reason: int | None = None
         # Speculative decoding: the drafts the runner proposed for the next step (-1
         # entries: values on the device), consumed when scheduled; and the counters.
@@ -118,6 +123,6 @@ class RequestUpdate:
 
     request: Request
     new_token_ids: list[int]
-    # one dict (token id -> logprob) per new token, when logprobs were requested
-    new_logprobs: list[dict[int, float]] | None
+    # one dict (token id -> Logprob) per new token, when logprobs were requested
+    new_logprobs: list[PositionLogprobs] | None
     finished: bool

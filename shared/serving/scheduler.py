@@ -44,15 +44,15 @@ half-done update applied are reported by the next update, so nothing is lost.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
+from shared.contract.outputs import make_position_logprobs
 from shared.contract.step import (
     CachedRequestData,
     ModelRunnerOutput,
     NewRequestData,
     SchedulerOutput,
-    TokenLogprobs,
 )
 from shared.serving.block_manager import KVCacheManager
 from shared.serving.request import Request, RequestStatus, RequestUpdate
@@ -130,6 +130,9 @@ class Scheduler:
         self.finished_req_ids: set[str] = set()
         self._unreported: list[Request] = []  # finishes the next update reports
         self._in_flight: dict[int, _InFlightStep] = {}  # id(SchedulerOutput) -> record
+        # token id -> text for the logprobs entries (set by the engine when it has a
+        # tokenizer; None: decoded_token stays None)
+        self.decode_token: Callable[[int], str] | None = None
 
     # ---- queries -----------------------------------------------------------------------
 
@@ -393,6 +396,10 @@ class Scheduler:
             request.append_output_token_id(token_id)
             new_token_ids.append(token_id)
             status = check_stop(request, self.max_model_len)
+            if request.detokenizer is not None:  # stop strings: matched on the text
+                stop_str = request.detokenizer.append(token_id)
+                if stop_str is not None:
+                    status, request.stop_reason = RequestStatus.FINISHED_STOPPED, stop_str
             if status is not None:
                 if request.status == RequestStatus.PREEMPTED:
                     self.waiting.remove(request)
@@ -405,9 +412,12 @@ class Scheduler:
                 and not self.assume_drafts):
             request.spec_token_ids = list(runner_output.draft_token_ids[index])
         logprobs = runner_output.logprobs[index] if runner_output.logprobs else None
-        new_logprobs = None if logprobs is None else [_logprobs_dict(logprobs)]
-        if new_logprobs is not None:
+        new_logprobs = None
+        if logprobs is not None:
+            new_logprobs = [make_position_logprobs(
+                logprobs.token_ids, logprobs.logprobs, logprobs.rank, self.decode_token)]
             request.logprobs.extend(new_logprobs)
+            request.cumulative_logprob += logprobs.logprobs[0]
         return RequestUpdate(request, new_token_ids, new_logprobs, request.is_finished)
 
 
@@ -442,8 +452,6 @@ def _stops_when_landed(request: Request, max_model_len: int) -> bool:
     )
 
 
-def _logprobs_dict(logprobs: TokenLogprobs) -> dict[int, float]:
-    return dict(zip(logprobs.token_ids, logprobs.logprobs))
 
 
 class _StepBuilder:

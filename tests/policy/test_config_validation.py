@@ -48,7 +48,8 @@ BAD = [
                              "num_speculative_tokens": 2, "rejection_sample_method": "block"},
       "model_runner": "v1"},
      ["rejection_sample_method='block'", "model_runner='v2'", "rejection_sample_method='standard'"]),
-    ({"logits_processors": ["pkg.mod:Proc"]}, ["custom logits processors", "logits_processors=[]"]),
+    ({"logits_processors": ["pkg.mod:Proc"]}, ["logits_processors entry 'pkg.mod:Proc'",
+                                                "cannot import module 'pkg.mod'"]),
     ({"pooling_task": "embed"}, ["pooling", "pooling_task=None"]),
     ({"enable_prompt_embeds": True}, ["prompt embeds", "enable_prompt_embeds=False"]),
 ]

@@ -149,11 +149,13 @@ def test_unknown_model_type(tmp_path, capsys):
 
 def test_forced_runner_error_exits_1_with_the_explanation(monkeypatch, capsys):
     monkeypatch.setenv(VAR, "1")
-    rc = explain_main(["--model", "tiny-llama", "--logits-processors", "pkg:Proc"])
+    rc = explain_main(["--model", "tiny-llama", "--logits-processors",
+                       "runner_v1.example_logits_processors:NoRepeatNGram"])
     out = capsys.readouterr().out
     assert rc == 1
     assert "error: Model runner V2 (chosen by RUNNERLAB_USE_V2_MODEL_RUNNER=1)" in out
-    assert "custom logits processors" in out and "logits_processors=[]" in out
+    assert "custom logits processors (V1 interface)" in out and "logits_processors=[]" in out
+    assert "runner_v1.example_logits_processors:NoRepeatNGram" in out
 
 
 def test_bad_flag_value_exits_2(capsys):

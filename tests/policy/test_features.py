@@ -25,7 +25,9 @@ SUPPORTED_BY = {
     "rejection_sample_method='block'": {"v2"},
     # refused on both runners ("Known gaps": logits processors, pooling and prompt
     # embeddings are refused by the feature table on both runners)
-    "custom logits processors": set(),
+    # each interface runs on the runner it was designed for only
+    "custom logits processors (V1 interface)": {"v1"},
+    "custom logits processors (V2 interface)": {"v2"},
     "pooling": set(),
     "prompt embeds": set(),
     # both runners capture piecewise graphs between the attention calls (one shared
@@ -66,7 +68,10 @@ SETTINGS = {
                                        "synthetic_acceptance_rates": [0.9, 0.5]}},
     "rejection_sample_method='block'": {
         "speculative_config": DRAFT | {"rejection_sample_method": "block"}},
-    "custom logits processors": {"logits_processors": ["my_pkg.procs:NoRepeat"]},
+    "custom logits processors (V1 interface)": {
+        "logits_processors": ["runner_v1.example_logits_processors:NoRepeatNGram"]},
+    "custom logits processors (V2 interface)": {
+        "logits_processors": ["runner_v2.example_logits_processors:NoRepeatNGram"]},
     "pooling": {"pooling_task": "embed"},
     "prompt embeds": {"enable_prompt_embeds": True},
     "cudagraph_mode='PIECEWISE'": {"cudagraph_mode": "PIECEWISE"},
@@ -160,10 +165,10 @@ def test_table_rows():
     rows = feature_table.table()
     assert [r["feature"] for r in rows] == [f.label for f in FEATURES]
     assert all(r["v1"] in ("supported", "unsupported-yet") for r in rows)
-    # the one V1-only feature is ngram speculative decoding (the piecewise graphs were
-    # V1-only until V2 got them)
+    # the V1-only features are ngram speculative decoding and the V1 processor interface
+    # (the piecewise graphs were V1-only until V2 got them)
     assert {r["feature"] for r in rows if r["v1"] == "supported" and r["v2"] != "supported"} == {
-        "ngram speculative decoding"}
+        "ngram speculative decoding", "custom logits processors (V1 interface)"}
 
 
 # ---- each supported feature, run on CPU with the runner that supports it ---------------
@@ -369,7 +374,59 @@ def _run_async_spec(monkeypatch):
         assert [len(t) for t in sampled.values()] == [8] * len(SPEC_PROMPTS)
 
 
+# ---- custom logits processors: each interface's example on its own runner --------------
+NO_REPEAT_SIZE = 2
+
+
+BOOSTED = 7
+
+
+def _processor_tokens(runner: str, classes: list[str]) -> dict[str, list[int]]:
+    from shared.contract.sampling_params import SamplingParams
+
+    names = [f"runner_{runner}.example_logits_processors:{c}" for c in classes]
+    engine = _engine(model="tiny-llama", dtype="float64", model_runner=runner,
+                     logits_processors=names)
+    # the boost makes greedy decoding repeat token 7, which the bigram ban must stop
+    extra = {"no_repeat_ngram_size": NO_REPEAT_SIZE, "boost_token_ids": [BOOSTED], "boost": 50.0}
+    for i, n in enumerate(PROMPT_LENS):
+        engine.add_request(f"r{i}", _prompt(i, n),
+                           SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True,
+                                          extra_args=extra))
+    tokens = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            tokens[out.request_id] = out.outputs[0].token_ids
+    return tokens
+
+
+def _prompt(i: int, n: int) -> list[int]:
+    return [(i * 31 + j * 7) % 200 + 1 for j in range(n)]
+
+
+def _repeats_a_bigram(seq: list[int]) -> bool:
+    grams = list(zip(seq, seq[1:]))
+    return len(grams) != len(set(grams))
+
+
+def _run_processors(runner: str):
+    """The runner's own example processors: the boost alone repeats token 7; with the
+    bigram ban after it no bigram of prompt + output repeats (checked in plain Python);
+    and the other runner's twins on the other runner give exactly the same tokens."""
+    def run(monkeypatch):
+        boosted = _processor_tokens(runner, ["TargetTokenBoost"])
+        assert all(t.count(BOOSTED) == len(t) for t in boosted.values())
+        tokens = _processor_tokens(runner, ["TargetTokenBoost", "NoRepeatNGram"])
+        for i, n in enumerate(PROMPT_LENS):
+            assert not _repeats_a_bigram(_prompt(i, n) + tokens[f"r{i}"]), i
+        assert tokens == _processor_tokens("v2" if runner == "v1" else "v1",
+                                           ["TargetTokenBoost", "NoRepeatNGram"])
+    return run
+
+
 RUNS = {
+    ("custom logits processors (V1 interface)", "v1"): _run_processors("v1"),
+    ("custom logits processors (V2 interface)", "v2"): _run_processors("v2"),
     **{("cudagraph_mode='PIECEWISE'", r): _run_piecewise(r) for r in ("v1", "v2")},
     **{("cudagraph_mode='FULL_AND_PIECEWISE'", r): _run_full_and_piecewise(r) for r in ("v1", "v2")},
     ("async scheduling", "v1"): lambda monkeypatch: _run_async_scheduling("v1"),

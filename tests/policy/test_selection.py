@@ -42,7 +42,7 @@ HYBRID_LISTED = Traits("GraniteMoeForCausalLM", "granitemoe", is_moe=True, is_hy
 MAMBA = Traits("MambaForCausalLM", "mamba", is_attention_free=True, supported_by_runnerlab=False)
 
 V1_ONLY = "v1-only test feature"     # V1 supports it, V2 does not (fixture v1_only_feature)
-LOGITS = "custom logits processors"  # no runner supports it yet
+POOLING = "pooling"  # no runner supports it yet
 
 # (id, model, model_runner, env, features, triton, expected runner, source, text in reasons[0])
 CASES = [
@@ -136,10 +136,10 @@ ERRORS = [
     ("env-1-v2-unsupported", DENSE, "auto", True, [V1_ONLY], True,
      [V1_ONLY, "V1 supports them", "model_runner='v1'", "cudagraph_mode='auto'"]),
     ("arg-v2-v2-unsupported", MIXTRAL, "v2", None, [V1_ONLY], True, [V1_ONLY, "V1"]),
-    ("auto-no-runner", DENSE, "auto", None, [LOGITS], True,
-     [LOGITS, "No model runner supports", "logits_processors=[]"]),
-    ("arg-v1-no-runner", DENSE, "v1", None, [LOGITS], True, [LOGITS, "logits_processors=[]"]),
-    ("env-0-no-runner", MIXTRAL, "auto", False, [LOGITS, V1_ONLY], True, [LOGITS]),
+    ("auto-no-runner", DENSE, "auto", None, [POOLING], True,
+     [POOLING, "No model runner supports", "pooling_task=None"]),
+    ("arg-v1-no-runner", DENSE, "v1", None, [POOLING], True, [POOLING, "pooling_task=None"]),
+    ("env-0-no-runner", MIXTRAL, "auto", False, [POOLING, V1_ONLY], True, [POOLING]),
 ]
 
 
@@ -236,10 +236,12 @@ def test_bad_env_value_fails_create_engine_config(monkeypatch):
 
 
 def test_forced_v2_with_unsupported_feature_fails_at_config_time(monkeypatch):
+    v1_proc = "runner_v1.example_logits_processors:NoRepeatNGram"
+    with pytest.raises(RunnerSelectionError, match=r"custom logits processors \(V1 interface\) "
+                                                   r"\[runner_v1.example_logits_processors"):
+        _config(monkeypatch, "1", model="tiny-llama", logits_processors=[v1_proc])
     with pytest.raises(RunnerSelectionError, match="custom logits processors"):
-        _config(monkeypatch, "1", model="tiny-llama", logits_processors=["my.mod:Proc"])
-    with pytest.raises(RunnerSelectionError, match="custom logits processors"):
-        _config(monkeypatch, model="tiny-llama", model_runner="v2", logits_processors=["a.b:C"])
+        _config(monkeypatch, model="tiny-llama", model_runner="v2", logits_processors=[v1_proc])
 
 
 def test_fallback_end_to_end_on_cuda(fake_cuda, v1_only_feature):

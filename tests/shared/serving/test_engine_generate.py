@@ -331,11 +331,11 @@ def test_per_prompt_params_and_logprobs_match_transformers(tiny_llama_dir, runne
             # the sampled token first, then the top n (the sampled one not repeated)
             assert ids[0] == token
             assert set(ids) == {token, *top} and len(ids) == len({token, *top})
-            values = [entry[i] for i in ids]
+            values = [entry[i].logprob for i in ids]
             assert all(a >= b for a, b in zip(values[1:], values[2:]))
             # 1e-6, not 1e-12: transformers' Llama runs RMSNorm and RoPE frequencies in
             # float32 even for a float64 model (differences of ~3e-8 seen).
             for i in ids:
-                assert abs(entry[i] - ref_lp[t, i].item()) < 1e-6, (t, i)
+                assert abs(entry[i].logprob - ref_lp[t, i].item()) < 1e-6, (t, i)
             if params.temperature == 0.0:
-                assert entry[token] == max(values)
+                assert entry[token].logprob == max(values)

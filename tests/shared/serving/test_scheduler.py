@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 
+from shared.contract.outputs import Logprob
 from shared.contract.sampling_params import SamplingParams
 from shared.contract.step import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput, TokenLogprobs
 from shared.serving.request import Request, RequestStatus
@@ -312,12 +313,17 @@ def test_logprobs_become_dicts():
     so = sched.schedule()
     out = ModelRunnerOutput(
         req_ids=["a", "b"], req_id_to_index={"a": 0, "b": 1}, sampled_token_ids=[[7], [8]],
-        logprobs=[TokenLogprobs(token_ids=[7, 3], logprobs=[-0.5, -1.5], rank=1), None],
+        logprobs=[TokenLogprobs(token_ids=[7, 7, 3], logprobs=[-0.5, -0.5, -1.5], rank=1), None],
     )
+    sched.decode_token = lambda t: f"<{t}>"
     ups = {u.request.request_id: u for u in sched.update_from_output(so, out)}
-    assert ups["a"].new_logprobs == [{7: -0.5, 3: -1.5}] and ups["a"].new_token_ids == [7]
+    # the sampled token keeps its rank; the top-k entries are ranked by their order, and
+    # the sampled token listed again among them is not repeated
+    expected = [{7: Logprob(-0.5, 1, "<7>"), 3: Logprob(-1.5, 2, "<3>")}]
+    assert ups["a"].new_logprobs == expected and ups["a"].new_token_ids == [7]
     assert ups["b"].new_logprobs is None and ups["b"].new_token_ids == [8]
-    assert ups["a"].request.logprobs == [{7: -0.5, 3: -1.5}] and ups["b"].request.logprobs == []
+    assert ups["a"].request.logprobs == expected and ups["b"].request.logprobs == []
+    assert ups["a"].request.cumulative_logprob == -0.5
 
 
 def test_without_chunking_a_long_prompt_waits_for_a_whole_budget():
