@@ -275,3 +275,54 @@ def test_ignore_eos_must_be_a_bool(value):
 def test_ignore_eos_accepts_numpy_bools():
     p = SamplingParams(ignore_eos=np.bool_(True))
     assert p.ignore_eos is True
+
+
+# ---- the fields of issue 23 ------------------------------------------------------------
+
+def test_an_unknown_field_is_named_with_the_accepted_ones():
+    with pytest.raises(SamplingParamsError) as err:
+        SamplingParams(max_tokens=3, best_of=2, temprature=0.5)
+    msg = str(err.value)
+    assert "'best_of', 'temprature'" in msg
+    assert "accepted fields: max_tokens, temperature" in msg and "extra_args" in msg
+
+
+@pytest.mark.parametrize("kwargs, text", [
+    ({"n": 0}, "SamplingParams.n=0"),
+    ({"stop": ""}, "SamplingParams.stop=''"),
+    ({"stop": ["ok", 3]}, "item 1 is 3"),
+    ({"logit_bias": {1: 101.0}}, "value 101.0"),
+    ({"logit_bias": {-1: 1.0}}, "key -1"),
+    ({"logit_bias": {1: float("nan")}}, "value nan"),
+    ({"logit_bias": [1, 2]}, "not a list"),
+    ({"allowed_token_ids": []}, "would allow no token"),
+    ({"allowed_token_ids": [1, -2]}, "negative id at index 1"),
+    ({"bad_words": "oops"}, "not a str"),
+    ({"bad_words_token_ids": [[1], []]}, "an empty word"),
+    ({"bad_words_token_ids": [[1, "x"]]}, "not a str at index 1 of word 0"),
+    ({"prompt_logprobs": -1}, "SamplingParams.prompt_logprobs=-1"),
+    ({"extra_args": [("a", 1)]}, "SamplingParams.extra_args"),
+    ({"skip_special_tokens": 1}, "SamplingParams.skip_special_tokens=1"),
+])
+def test_new_fields_refuse_bad_values(kwargs, text):
+    with pytest.raises(SamplingParamsError, match=re.escape(text)):
+        SamplingParams(**kwargs)
+
+
+def test_new_fields_are_normalised():
+    p = SamplingParams(stop="a", logit_bias={"5": 1, np.int64(6): np.float32(-2.5)},
+                       allowed_token_ids=(3, 3, np.int32(4)), bad_words_token_ids=[(1, 2)])
+    assert p.stop == ["a"]
+    assert p.logit_bias == {5: 1.0, 6: -2.5} and all(type(k) is int for k in p.logit_bias)
+    assert p.allowed_token_ids == [3, 4]
+    assert p.bad_words_token_ids == [[1, 2]]
+    assert p.uses_builtin_processors and not SamplingParams().uses_builtin_processors
+
+
+def test_derived_seeds_are_distinct_and_stable():
+    from shared.contract.sampling_params import derive_sample_seed
+
+    seeds = [derive_sample_seed(123, i) for i in range(64)]
+    assert seeds[0] == 123 and len(set(seeds)) == 64
+    assert all(0 <= s < 2**63 for s in seeds)
+    assert derive_sample_seed(124, 1) != derive_sample_seed(123, 2)
