@@ -70,7 +70,7 @@ class GPUModelRunner(RunnerSetupMixin):
         self.sampling_states = SamplingStates(R, vocab, device)
         self.block_tables = BlockTables(R, -(-L // self.block_size), T, self.block_size, device)
         self.buffers = InputBuffers(R, T, device)
-        self.sampler = Sampler(self.sampling_states)
+        self.sampler = Sampler(self.sampling_states, self.req_states)
         self.cudagraph_manager = CudaGraphManager(
             config, device, self.executor, self.buffers, self.block_tables
         )
