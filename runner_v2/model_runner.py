@@ -77,7 +77,7 @@ class GPUModelRunner(RunnerSetupMixin):
             SlotProcessorContext(R, vocab, device, rs.all_token_ids.gpu, rs.total_len.gpu,
                                  rs.prompt_len.gpu),
         )
-        self.sampler = Sampler(self.sampling_states, self.logits_processors)
+        self.sampler = Sampler(self.sampling_states, self.req_states, self.logits_processors)
         self.cudagraph_manager = CudaGraphManager(
             config, device, self.executor, self.buffers, self.block_tables
         )

@@ -5,6 +5,7 @@ Per batch row b (state row = idx_mapping[b]), on the logits in the compute dtype
   frequency:  x -= f * count          presence: x -= p * (count > 0)
   min_tokens: while pos + 1 - prompt_len < min_tokens, the row's stop-id table
               (stop ids + EOS unless ignore_eos, padded with -1) gets -inf.
+The input may already be processed (allowed_token_ids / logit_bias ran first).
 Rows without penalties (r = 1, f = p = 0) never read the bin tensors, whose rows may
 be stale from an earlier request of the same state row. Same operation order as
 runner_v1/sampler.py, launched without FMA contraction, so results are bit-identical.
@@ -73,15 +74,21 @@ def apply_penalties_and_min_tokens(
     has_penalties: bool,
     has_min_tokens: bool,
     block: int = PENALTY_BLOCK,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Processed logits [N, V] in float32 (float64 for fp64 logits), a new tensor."""
+    """Processed logits [N, V] in float32 (float64 for fp64 logits): a new tensor, or
+    `out` (contiguous, compute dtype), which may be `logits` itself: every program
+    reads its block before writing it back, so the update is safe in place (the
+    sampler passes the built-ins' processed logits that way)."""
     n, vocab_size = logits.shape
     assert logits.stride(1) == 1 and vocab_size == states.vocab_size
     assert idx_mapping.dtype == torch.int32 and idx_mapping.shape == (n,)
     assert positions.dtype == torch.int64 and positions.shape == (n,)
     is_fp64 = logits.dtype == torch.float64
-    out = torch.empty(n, vocab_size, dtype=torch.float64 if is_fp64 else torch.float32,
-                      device=logits.device)
+    dtype = torch.float64 if is_fp64 else torch.float32
+    if out is None:
+        out = torch.empty(n, vocab_size, dtype=dtype, device=logits.device)
+    assert out.shape == (n, vocab_size) and out.dtype == dtype and out.is_contiguous()
     if n == 0:
         return out
     if has_penalties:

@@ -21,6 +21,11 @@ eagerly with `ensure_penalty_state()`, e.g. before CUDA-graph capture):
                     post_update kernel then adds 1 at [state_row, sampled_token] for
                     every sampled token (when the tensor is not None).
 Both rows are rebuilt at add only for requests that use penalties.
+
+The built-in logits processors keep their own lazily allocated tables, filled by the
+same add and shipped in the same copy: `logit_bias` (LogitBiasState: allowed_token_ids
+and logit_bias, runner_v2/sample/logit_bias.py) and `bad_words` (BadWordsState,
+runner_v2/sample/bad_words.py).
 """
 
 from __future__ import annotations
@@ -30,6 +35,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from runner_v2.sample.bad_words import BadWordsState
+from runner_v2.sample.logit_bias import LogitBiasState
 from shared.contract.sampling_params import SamplingParams
 from shared.runtime.triton_utils import tl, triton
 
@@ -61,6 +68,14 @@ class BatchFlags:
     any_filter: bool  # top_k, top_p or min_p on a random row
     num_logprobs: tuple[int, ...] = ()  # per batch row (-1 = none); empty without the rows
     max_num_logprobs: int | None = None  # None: no row asks for logprobs
+    any_allowed_token_ids: bool = False
+    any_logit_bias: bool = False
+    any_bad_words: bool = False  # a row with bad_words_token_ids
+
+    @property
+    def any_builtins(self) -> bool:
+        """allowed_token_ids, logit_bias or bad words on some row."""
+        return self.any_allowed_token_ids or self.any_logit_bias or self.any_bad_words
 
 
 class SamplingStates:
@@ -94,6 +109,9 @@ class SamplingStates:
         self.stop_ids = dev(torch.int32, -1, (r, max_stop_ids))  # padded with -1
         self.prompt_bin_mask: torch.Tensor | None = None
         self.output_bin_counts: torch.Tensor | None = None
+        # built-in logits processors: per-row tables, allocated on first use
+        self.logit_bias = LogitBiasState(r, vocab_size, self.device)
+        self.bad_words = BadWordsState(r, vocab_size, self.device)
 
         # Host mirrors: decide which stages run without reading device values.
         self.temperature_np = np.ones(r, np.float32)
@@ -123,9 +141,13 @@ class SamplingStates:
         prefill_token_ids: list[int],
         eos_token_id: int | None,
     ) -> None:
-        """Stage every per-row field of `row` for a new (or resumed) request."""
+        """Stage every per-row field of `row` for a new (or resumed) request: the
+        single entry point for the sampler's per-row state, built-ins included."""
         sp = sampling_params
         stop = self._min_tokens_stop_ids(sp, eos_token_id)
+        # every check before any staging: a refused request leaves the row as it was
+        self.logit_bias.check(sp)
+        self.bad_words.check(sp)
         seed = sp.seed if sp.seed is not None else int(self._rng.integers(0, 2**63))
         top_k = sp.top_k if 0 < sp.top_k < self.vocab_size else 0
         prompt_len = len(prompt_token_ids)
@@ -153,6 +175,9 @@ class SamplingStates:
         self.written_np[row] = True
         self._flags_key = None  # the row's flags changed
 
+        self.logit_bias.add_request(row, sp)
+        self.bad_words.add_request(row, sp)
+
         self._staged_bins.pop(row, None)
         if sp.uses_penalties:
             self.ensure_penalty_state()
@@ -179,6 +204,14 @@ class SamplingStates:
         self.prompt_bin_mask = torch.zeros(r, (v + 31) // 32, dtype=torch.int32, device=self.device)
         self.output_bin_counts = torch.zeros(r, v, dtype=torch.int32, device=self.device)
 
+    def ensure_logit_bias_state(self) -> None:
+        """Allocate the allowed_token_ids / logit_bias tables now (else at first use)."""
+        self.logit_bias.ensure_allocated()
+
+    def ensure_bad_words_state(self) -> None:
+        """Allocate the bad-words tables now (else at first use)."""
+        self.bad_words.ensure_allocated()
+
     # ---- apply -------------------------------------------------------------------
 
     def discard_staged_writes(self) -> None:
@@ -186,23 +219,30 @@ class SamplingStates:
         step); their next add stages them anew."""
         self._staged.clear()
         self._staged_bins.clear()
+        self.logit_bias.discard_staged_writes()
+        self.bad_words.discard_staged_writes()
 
     def apply_staged_writes(self) -> None:
-        """Publish the staged rows: one H2D copy, one scatter, at most one bincount."""
+        """Publish the staged rows: one H2D copy, one scatter, at most one bincount,
+        and one table write per built-in with staged rows."""
         if not self._staged:
-            return
+            return  # every add stages a record: the built-ins have nothing staged either
         records = np.stack(list(self._staged.values()))
         bin_rows = list(self._staged_bins)
         bins = [self._staged_bins[r] for r in bin_rows]
         starts = np.cumsum([0] + [len(t) for _, t in bins])
         tokens = [t for _, toks in bins for t in toks]
         m = len(bins)
+        bias_seg, bias_rows = self.logit_bias.pack_staged()
+        words_seg, words_rows = self.bad_words.pack_staged()
         packed = np.concatenate([
             records.reshape(-1),
             np.asarray(bin_rows, np.int64),
             np.asarray([p for p, _ in bins], np.int64),
             starts.astype(np.int64),
             np.asarray(tokens, np.int64),
+            bias_seg,
+            words_seg,
         ])
         self._staged.clear()
         self._staged_bins.clear()
@@ -210,13 +250,17 @@ class SamplingStates:
         dev = torch.from_numpy(packed).to(self.device, non_blocking=True)
         n, width = records.shape
         write_rows(self, dev[: n * width].view(n, width))
+        off = n * width
+        bins_end = off + 3 * m + 1 + len(tokens)
         if m:
-            off = n * width
             rows = dev[off : off + m]
             prompt_lens = dev[off + m : off + 2 * m]
             starts_d = dev[off + 2 * m : off + 3 * m + 1]
-            tokens_d = dev[off + 3 * m + 1 :]
+            tokens_d = dev[off + 3 * m + 1 : bins_end]
             bincount_rows(self, rows, prompt_lens, starts_d, tokens_d)
+        words_at = bins_end + len(bias_seg)
+        self.logit_bias.write_packed(dev[bins_end:words_at], bias_rows)
+        self.bad_words.write_packed(dev[words_at:], words_rows)
 
     # ---- flags -------------------------------------------------------------------
 
@@ -239,6 +283,9 @@ class SamplingStates:
             any_filter=bool((filt & random).any()),
             num_logprobs=tuple(num_logprobs.tolist()),
             max_num_logprobs=max_n if max_n >= 0 else None,
+            any_allowed_token_ids=bool(self.logit_bias.num_allowed_np[rows].any()),
+            any_logit_bias=bool(self.logit_bias.num_bias_np[rows].any()),
+            any_bad_words=bool(self.bad_words.num_words_np[rows].any()),
         )
         if key is not None:
             self._flags_key, self._flags = key, flags

@@ -55,7 +55,9 @@ def _check_supported(states: SamplingStates, idx_mapping_np: np.ndarray | None) 
     flags = states.batch_flags(idx_mapping_np)
     unsupported = [name for name, used in (
         ("penalties", flags.any_penalties), ("min_tokens", flags.any_min_tokens),
-        ("logprobs", flags.max_num_logprobs is not None)) if used]
+        ("logprobs", flags.max_num_logprobs is not None),
+        ("allowed_token_ids / logit_bias / bad words", flags.any_builtins),
+    ) if used]
     if unsupported:
         raise ValueError(f"speculative decoding does not support {', '.join(unsupported)}")
 
@@ -82,8 +84,9 @@ def rejection_sample(
     request's last row); draft_probs float64 [M, V] aligned the same way, or None
     (one-hot drafts, e.g. ngram); method "standard", "synthetic" or "block";
     synthetic_rates float64 [>= max_k] (synthetic only); idx_mapping_np: the batch's
-    state rows on the host, when the caller has them: then penalties, min_tokens and
-    logprobs are refused (ValueError), and the filter stage is decided on them alone."""
+    state rows on the host, when the caller has them: then penalties, min_tokens,
+    logprobs and the built-in logits processors are refused (ValueError), and the
+    filter stage is decided on them alone."""
     _check_inputs(logits, expanded_idx_mapping, cu_num_logits, positions, draft_token_ids,
                   draft_probs, method, synthetic_rates, max_k)
     _check_supported(states, idx_mapping_np)

@@ -232,6 +232,10 @@ def test_refusals() -> None:
     states.add_request(row, SamplingParams(seed=3, max_tokens=4, logprobs=2), [1], [1], None)
     with pytest.raises(ValueError, match="logprobs"):
         rejection_sample(**inputs, method="standard", synthetic_rates=None)
+    states.add_request(row, SamplingParams(seed=3, max_tokens=4, bad_words_token_ids=[[2]]),
+                       [1], [1], None)
+    with pytest.raises(ValueError, match="bad words"):
+        rejection_sample(**inputs, method="standard", synthetic_rates=None)
 
 
 def test_all_greedy_batch() -> None:
