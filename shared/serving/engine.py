@@ -25,6 +25,7 @@ from shared.contract.outputs import CompletionOutput, RequestOutput, SpecDecodeS
 from shared.contract.sampling_params import SamplingParams, SamplingParamsError
 from shared.contract.step import SchedulerOutput
 from shared.runtime.kernel_options import use_kernel_options
+from shared.serving.prompt_logprobs import prompt_logprobs_output
 from shared.serving.request import Request
 from shared.serving.scheduler import Scheduler
 
@@ -225,6 +226,11 @@ class LLMEngine:
                 f"request {request_id!r}: SamplingParams.logprobs={params.logprobs} exceeds the "
                 f"vocabulary size {self.vocab_size}; ask for at most {self.vocab_size}"
             )
+        if params.prompt_logprobs is not None and params.prompt_logprobs > self.vocab_size:
+            raise EngineInputError(
+                f"request {request_id!r}: SamplingParams.prompt_logprobs={params.prompt_logprobs} "
+                f"exceeds the vocabulary size {self.vocab_size}; ask for at most {self.vocab_size}"
+            )
         bad_stops = [t for t in params.stop_token_ids if t >= self.vocab_size]
         if bad_stops:
             # The samplers index logits by stop id (min_tokens masking): out of range would
@@ -257,6 +263,8 @@ class LLMEngine:
             unsupported.append(f"min_tokens={params.min_tokens}")
         if params.logprobs is not None:
             unsupported.append(f"logprobs={params.logprobs}")
+        if params.prompt_logprobs is not None:
+            unsupported.append(f"prompt_logprobs={params.prompt_logprobs}")
         if unsupported:
             raise EngineInputError(
                 f"request {request_id!r}: {', '.join(unsupported)} with speculative decoding "
@@ -365,6 +373,7 @@ class LLMEngine:
             prompt_token_ids=list(req.prompt_token_ids),
             outputs=[completion],
             finished=update.finished,
+            prompt_logprobs=prompt_logprobs_output(req, self.tokenizer),
             spec_decode_stats=req.spec_decode_stats if self.num_speculative_tokens else None,
         )
 

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from shared.contract.outputs import SpecDecodeStats
 from shared.contract.sampling_params import SamplingParams
+from shared.serving.prompt_logprobs import PromptLogprobsStore
 
 
 class RequestStatus(enum.Enum):
@@ -69,6 +70,9 @@ class Request:
         # One dict (token id -> logprob) per output token, when logprobs were requested;
         # kept across preemption like the output tokens themselves.
         self.logprobs: list[dict[int, float]] = []
+        # With SamplingParams.prompt_logprobs: one slot per prompt position.
+        self.prompt_logprobs = (None if sampling_params.prompt_logprobs is None
+                                else PromptLogprobsStore(len(self.prompt_token_ids)))
         self.stop_reason: int | None = None
         # Speculative decoding: the drafts the runner proposed for the next step (-1
         # entries: values on the device), consumed when scheduled; and the counters.
