@@ -25,6 +25,7 @@ from runner_v1.in_flight_tokens import InFlightTokens
 from runner_v1.logits_processor import BatchProcessorContext, V1LogitsProcessors
 from runner_v1.persistent_batch import PersistentBatch
 from runner_v1.prepare_inputs import InputBuffers, PreparedInputs, prepare_inputs
+from runner_v1.prompt_logprobs import compute_prompt_logprobs_v1
 from runner_v1.request_state import CachedRequestState
 from runner_v1.sampler import Sampler
 from runner_v1.sampling_metadata import SamplingMetadata
@@ -45,6 +46,11 @@ from shared.runtime.async_output import (
 from shared.runtime.model_executor import ModelExecutor
 from shared.runtime.runner_base import RunnerSetupMixin
 from shared.runtime.step_timing import StageTimer
+from shared.sampling.prompt_logprobs import (
+    PendingPromptLogprobs,
+    PromptLogprobsRequests,
+    attach_prompt_logprobs,
+)
 
 logger = logging.getLogger("runnerlab")
 
@@ -97,6 +103,7 @@ class GPUModelRunner(RunnerSetupMixin):
         self.in_flight = InFlightTokens(self.max_num_tokens, device)
         self.copy_stream = torch.cuda.Stream() if device.type == "cuda" else None
         self.output_ring = PinnedOutputRing()
+        self.prompt_logprobs_reqs = PromptLogprobsRequests(keep_prompt=False)
         spec = config.speculative_config
         self.speculator = (
             None if spec is None else V1Speculator(config, device)
@@ -126,6 +133,7 @@ class GPUModelRunner(RunnerSetupMixin):
             if self.in_flight:  # tokens older than the latest step have landed by now
                 self.in_flight.land(self.persistent_batch, keep_latest=True)
             self._update_states(so)
+            self.prompt_logprobs_reqs.update(so)
             if so.total_num_scheduled_tokens == 0:
                 # finishes and adds applied, nothing to run; emit this step's BatchUpdate
                 # now so its records are not folded into the next step's. Nothing will
@@ -202,11 +210,14 @@ class GPUModelRunner(RunnerSetupMixin):
                 positions = (None if state.sampling_metadata.all_greedy
                              else inputs.positions[inputs.logits_indices])
                 sampler_output = self.sampler(logits, state.sampling_metadata, positions)
+                prompt_lps = compute_prompt_logprobs_v1(
+                    self.prompt_logprobs_reqs, self.persistent_batch, inputs,
+                    state.hidden_states, self.executor)
         with self.timer.stage("postprocess"):
             if state.spec is not None:
                 output = self._spec_bookkeeping(state, spec_out)
             else:
-                output = self._bookkeeping(state, sampler_output)
+                output = self._bookkeeping(state, sampler_output, prompt_lps)
             self._propose(output, state)
         return output
 
@@ -260,6 +271,7 @@ class GPUModelRunner(RunnerSetupMixin):
         self.requests.clear()
         self.persistent_batch.clear()
         self.in_flight.clear()
+        self.prompt_logprobs_reqs.clear()
         if self.speculator is not None:
             self.speculator.reset()
 
@@ -305,7 +317,8 @@ class GPUModelRunner(RunnerSetupMixin):
 
     # ---- after sampling -----------------------------------------------------------------
     def _bookkeeping(
-        self, state: _ExecuteState, out: SamplerOutput
+        self, state: _ExecuteState, out: SamplerOutput,
+        prompt_lps: PendingPromptLogprobs | None = None,
     ) -> ModelRunnerOutput | AsyncModelRunnerOutput:
         inputs, req_ids = state.inputs, state.req_ids
         num_reqs = inputs.num_reqs
@@ -324,6 +337,7 @@ class GPUModelRunner(RunnerSetupMixin):
                    "lps": out.logprobs, "ranks": out.ranks}
         fill = functools.partial(fill_sampled_output, is_sampled=is_sampled.tolist(),
                                  num_logprobs=state.sampling_metadata.num_logprobs)
+        tensors, fill = attach_prompt_logprobs(prompt_lps, tensors, fill)
         if self.async_scheduling:
             # No sync: placeholders now, the values when the side-stream copy lands.
             pending = AsyncModelRunnerOutput(

@@ -23,6 +23,7 @@ from runner_v2.cudagraph import CudaGraphManager
 from runner_v2.input_batch import InputBatch, InputBuffers, gather_batch_req_state, prepare_inputs
 from runner_v2.logits_processor import SlotProcessorContext, V2LogitsProcessors
 from runner_v2.post_update import post_update
+from runner_v2.prompt_logprobs import compute_prompt_logprobs_v2
 from runner_v2.sample.sampler import Sampler
 from runner_v2.sample.states import SamplingStates
 from runner_v2.spec_decode.post_update import spec_post_update
@@ -41,6 +42,11 @@ from shared.runtime.async_output import (
 from shared.runtime.model_executor import ModelExecutor
 from shared.runtime.runner_base import RunnerSetupMixin
 from shared.runtime.step_timing import StageTimer
+from shared.sampling.prompt_logprobs import (
+    PendingPromptLogprobs,
+    PromptLogprobsRequests,
+    attach_prompt_logprobs,
+)
 
 logger = logging.getLogger("runnerlab")
 
@@ -87,6 +93,8 @@ class GPUModelRunner(RunnerSetupMixin):
         self.max_num_tokens = T
         self.max_num_reqs = R
         self._state: _ExecuteState | None = None
+        # V2's token table is on the device: the prompts of prompt_logprobs requests only
+        self.prompt_logprobs_reqs = PromptLogprobsRequests(keep_prompt=True)
         self.speculator = (
             None if config.speculative_config is None
             else V2Speculator(config, device, R, vocab)
@@ -113,6 +121,7 @@ class GPUModelRunner(RunnerSetupMixin):
             self._finish_requests(so)
             self._add_requests(so)
             self._update_requests(so)
+            self.prompt_logprobs_reqs.update(so)
             self.req_states.apply_staged_writes()
             self.block_tables.apply_staged_writes()
             self.sampling_states.apply_staged_writes()
@@ -156,11 +165,15 @@ class GPUModelRunner(RunnerSetupMixin):
                 logits, batch.idx_mapping, positions, flags.max_num_logprobs,
                 batch.idx_mapping_np,
             )
+            prompt_lps = compute_prompt_logprobs_v2(
+                self.prompt_logprobs_reqs, batch, state.hidden_states, self.req_states,
+                self.executor)
         with self.timer.stage("postprocess"):
             # Output set-up counts here, as V1's bookkeeping does. The D2H copy starts
             # first, on a side stream: it overlaps post_update below.
             is_sampled = self._is_sampled(batch)
-            async_output = self._make_async_output(batch, out, flags.num_logprobs, is_sampled)
+            async_output = self._make_async_output(batch, out, flags.num_logprobs, is_sampled,
+                                                   prompt_lps)
             post_update(
                 batch.idx_mapping, n, out.sampled_token_ids, batch.seq_lens, batch.query_start_loc,
                 self.req_states, self.sampling_states.output_bin_counts,
@@ -235,6 +248,7 @@ class GPUModelRunner(RunnerSetupMixin):
         requests, whose adds overwrite every per-row field, as any add does)."""
         self._state = None
         self.req_states.reset()
+        self.prompt_logprobs_reqs.clear()
         self.block_tables.discard_staged_writes()
         self.sampling_states.discard_staged_writes()
         if self.logits_processors:
@@ -314,7 +328,7 @@ class GPUModelRunner(RunnerSetupMixin):
     # ---- output -------------------------------------------------------------------------
     def _make_async_output(
         self, batch: InputBatch, out: SamplerOutput, num_logprobs: tuple[int, ...],
-        is_sampled: np.ndarray,
+        is_sampled: np.ndarray, prompt_lps: PendingPromptLogprobs | None = None,
     ) -> AsyncModelRunnerOutput:
         tensors = {
             "sampled": out.sampled_token_ids,
@@ -328,6 +342,8 @@ class GPUModelRunner(RunnerSetupMixin):
         if self.speculator is not None:  # this step proposes: placeholders for its drafts
             fill = functools.partial(_fill_with_draft_placeholders, fill,
                                      is_sampled=is_sampled.tolist(), num_drafts=self.speculator.k)
+        # through the same side-stream copy as the sampled ids: no sync of their own
+        tensors, fill = attach_prompt_logprobs(prompt_lps, tensors, fill)
         return AsyncModelRunnerOutput(
             self._empty_output(batch), tensors, fill, self.copy_stream, self.output_ring)
 

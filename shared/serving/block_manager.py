@@ -79,6 +79,11 @@ class KVCacheManager:
         assert not request.block_ids, f"{request.request_id} already holds blocks"
         if not self.enable_prefix_caching:
             return [], 0
+        if request.sampling_params.prompt_logprobs is not None:
+            # Prompt logprobs need the hidden state of every prompt position and a cached
+            # prefix has none: recompute it (vLLM does the same). Its own blocks are still
+            # registered (allocate_slots) for the requests after it.
+            return [], 0
         self._update_block_hashes(request)
         max_hit_blocks = (request.num_tokens - 1) // self.block_size
         hit: list[int] = []

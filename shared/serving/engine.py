@@ -28,6 +28,7 @@ from shared.contract.step import SchedulerOutput
 from shared.runtime.kernel_options import use_kernel_options
 from shared.serving.detokenizer import IncrementalDetokenizer, decode_token
 from shared.serving.parallel_sampling import ParentRequest, child_params
+from shared.serving.prompt_logprobs import prompt_logprobs_output
 from shared.serving.request import Request
 from shared.serving.request_params import (
     check_text_fields,
@@ -263,11 +264,6 @@ class LLMEngine:
             params = dataclasses.replace(sampling_params)  # re-runs __post_init__ validation
         except SamplingParamsError as exc:
             raise EngineInputError(f"request {request_id!r}: {exc}") from exc
-        if params.logprobs is not None and params.logprobs > self.vocab_size:
-            raise EngineInputError(
-                f"request {request_id!r}: SamplingParams.logprobs={params.logprobs} exceeds the "
-                f"vocabulary size {self.vocab_size}; ask for at most {self.vocab_size}"
-            )
         bad_stops = [t for t in params.stop_token_ids if t >= self.vocab_size]
         if bad_stops:
             # The samplers index logits by stop id (min_tokens masking): out of range would
@@ -453,6 +449,7 @@ class LLMEngine:
             prompt_token_ids=list(req.prompt_token_ids),
             outputs=[completion],
             finished=update.finished,
+            prompt_logprobs=prompt_logprobs_output(req, self.tokenizer),
             spec_decode_stats=req.spec_decode_stats if self.num_speculative_tokens else None,
         )
 

@@ -13,6 +13,7 @@ from typing import Any
 
 from shared.contract.outputs import PositionLogprobs, SpecDecodeStats
 from shared.contract.sampling_params import SamplingParams
+from shared.serving.prompt_logprobs import PromptLogprobsStore
 
 
 class RequestStatus(enum.Enum):
@@ -74,6 +75,9 @@ class Request:
         # Set by the engine for requests with stop strings (shared/serving/detokenizer.py):
         # the scheduler feeds it every output token and stops on a match.
         self.detokenizer: Any = None
+        # With SamplingParams.prompt_logprobs: one slot per prompt position.
+        self.prompt_logprobs = (None if sampling_params.prompt_logprobs is None
+                                else PromptLogprobsStore(len(self.prompt_token_ids)))
         self.stop_reason: int | None = None
         # Speculative decoding: the drafts the runner proposed for the next step (-1
         # entries: values on the device), consumed when scheduled; and the counters.

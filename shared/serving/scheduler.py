@@ -55,6 +55,7 @@ from shared.contract.step import (
     SchedulerOutput,
 )
 from shared.serving.block_manager import KVCacheManager
+from shared.serving.prompt_logprobs import record_prompt_logprobs
 from shared.serving.request import Request, RequestStatus, RequestUpdate
 
 __all__ = ["Scheduler", "RequestUpdate", "check_stop"]
@@ -358,6 +359,7 @@ class Scheduler:
         updates = [RequestUpdate(r, [], None, True) for r in record.unreported]
         for request, n in record.sampling.items():
             request.num_output_placeholders -= n
+        record_prompt_logprobs(record.scheduled, runner_output.prompt_logprobs)
         for req_id, request in record.scheduled.items():
             # Identity, not id: the id may belong to a resubmitted request by now. A
             # request finished or aborted since schedule() ignores its late output; one
