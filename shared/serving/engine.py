@@ -9,7 +9,6 @@ each step, and rolls a failed step back (`_recover_from_failed_step`).
 
 from __future__ import annotations
 
-import dataclasses
 import importlib
 import logging
 import random
@@ -17,40 +16,27 @@ import time
 from collections.abc import Iterable
 from typing import Any
 
-import numpy as np
 import torch
 
 from policy.config import EngineConfig
 from policy.logits_processors import load_class
 from shared.contract.outputs import CompletionOutput, RequestOutput, SpecDecodeStats
-from shared.contract.sampling_params import SamplingParams, SamplingParamsError
+from shared.contract.sampling_params import SamplingParams
 from shared.contract.step import SchedulerOutput
 from shared.runtime.kernel_options import use_kernel_options
+from shared.serving.admission import (  # noqa: F401 (re-exported: the engine's API)
+    MAX_MIN_TOKENS_STOP_IDS,
+    EngineInputError,
+    validate_params,
+    validate_prompt,
+)
 from shared.serving.detokenizer import IncrementalDetokenizer, decode_token
 from shared.serving.parallel_sampling import ParentRequest, child_params
 from shared.serving.prompt_logprobs import prompt_logprobs_output
 from shared.serving.request import Request
-from shared.serving.request_params import (
-    check_text_fields,
-    check_vocabulary_fields,
-    spec_decode_unsupported,
-    tokenize_bad_words,
-)
 from shared.serving.scheduler import Scheduler
 
 logger = logging.getLogger("runnerlab")
-
-# While a request has fewer than min_tokens outputs, its stop ids (and EOS) are masked.
-# V2's sampler keeps them in a fixed-width per-row table of this many ids
-# (runner_v2.sample.states.DEFAULT_MAX_STOP_IDS); the engine refuses more at admission so
-# that both runners accept exactly the same requests and none fails mid-step.
-MAX_MIN_TOKENS_STOP_IDS = 128
-
-
-class EngineInputError(ValueError):
-    """A request the engine refuses; the message names the setting and the fix. The
-    engine keeps serving the other requests."""
-
 
 def resolve_runner_class(path: str) -> type:
     """'package.module:Class' -> the class. The engine reaches runners only this way."""
@@ -211,108 +197,10 @@ class LLMEngine:
         self.scheduler.add_request(request)
 
     def _validate_prompt(self, request_id: str, prompt: Any) -> list[int]:
-        if isinstance(prompt, str):
-            raise EngineInputError(
-                f"request {request_id!r}: the prompt is text; add_request takes token ids "
-                "(tokenize it first, or use LLM.generate, which tokenizes for models with a tokenizer)"
-            )
-        try:
-            arr = np.asarray(prompt)
-        except (TypeError, ValueError) as exc:  # e.g. a ragged nested list
-            raise EngineInputError(
-                f"request {request_id!r}: prompt token ids must be a flat list of ints ({exc})"
-            ) from exc
-        if arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iu"):
-            raise EngineInputError(
-                f"request {request_id!r}: prompt token ids must be a flat list of ints, got an "
-                f"array of shape {arr.shape} and dtype {arr.dtype}"
-            )
-        if isinstance(prompt, (list, tuple)):
-            # np.asarray([5, True]) is an int64 array: a bool among ints shows only by element
-            pos = next((i for i, t in enumerate(prompt) if isinstance(t, (bool, np.bool_))), None)
-            if pos is not None:
-                raise EngineInputError(
-                    f"request {request_id!r}: prompt token ids must be a flat list of ints, got "
-                    f"the bool {prompt[pos]!r} at position {pos}"
-                )
-        if arr.size == 0:
-            raise EngineInputError(f"request {request_id!r}: the prompt is empty; pass at least one token")
-        if arr.size >= self.max_model_len:
-            raise EngineInputError(
-                f"request {request_id!r}: prompt of {arr.size} tokens leaves no room to generate "
-                f"within max_model_len={self.max_model_len}; shorten the prompt or raise max_model_len"
-            )
-        bad = (arr < 0) | (arr >= self.vocab_size)
-        if bad.any():
-            pos = int(np.argmax(bad))
-            raise EngineInputError(
-                f"request {request_id!r}: token id {int(arr[pos])} at position {pos} is outside "
-                f"the vocabulary [0, {self.vocab_size})"
-            )
-        return arr.tolist()
+        return validate_prompt(request_id, prompt, self.max_model_len, self.vocab_size)
 
     def _validate_params(self, request_id: str, sampling_params: Any) -> SamplingParams:
-        """A private, re-validated copy: a SamplingParams mutated after construction (it is a
-        plain dataclass) is checked again, and the caller's later edits cannot reach a
-        request in flight. Also the limits that depend on the model."""
-        if not isinstance(sampling_params, SamplingParams):
-            raise EngineInputError(
-                f"request {request_id!r}: sampling_params must be a SamplingParams, "
-                f"got {type(sampling_params).__name__}"
-            )
-        try:
-            params = dataclasses.replace(sampling_params)  # re-runs __post_init__ validation
-        except SamplingParamsError as exc:
-            raise EngineInputError(f"request {request_id!r}: {exc}") from exc
-        bad_stops = [t for t in params.stop_token_ids if t >= self.vocab_size]
-        if bad_stops:
-            # The samplers index logits by stop id (min_tokens masking): out of range would
-            # be an out-of-bounds write on the device.
-            raise EngineInputError(
-                f"request {request_id!r}: SamplingParams.stop_token_ids {bad_stops} are outside "
-                f"the vocabulary [0, {self.vocab_size})"
-            )
-        try:
-            check_vocabulary_fields(params, self.vocab_size)
-            check_text_fields(params, self.tokenizer, self._model_name)
-            if params.bad_words:
-                # the runners read token sequences only: the words' tokens join the ids
-                words = list(params.bad_words_token_ids or [])
-                for ids in tokenize_bad_words(self.tokenizer, params.bad_words):
-                    if ids not in words:
-                        words.append(ids)
-                params.bad_words_token_ids = words
-                check_vocabulary_fields(params, self.vocab_size)  # the merged count
-            for cls in self._processor_classes:
-                validate = getattr(cls, "validate_params", None)
-                if validate is not None:
-                    validate(params, self.vocab_size)
-        except ValueError as exc:
-            raise EngineInputError(f"request {request_id!r}: {exc}") from exc
-        if self.num_speculative_tokens:
-            self._check_spec_decode_params(request_id, params)
-        if params.min_tokens > 0:
-            masked = set(params.stop_token_ids)
-            if self.eos_token_id is not None and not params.ignore_eos:
-                masked.add(self.eos_token_id)
-            if len(masked) > MAX_MIN_TOKENS_STOP_IDS:
-                raise EngineInputError(
-                    f"request {request_id!r}: SamplingParams.min_tokens={params.min_tokens} masks "
-                    f"{len(masked)} stop token ids (stop_token_ids and EOS); at most "
-                    f"{MAX_MIN_TOKENS_STOP_IDS} are supported with min_tokens > 0: pass fewer "
-                    "stop_token_ids or set min_tokens=0"
-                )
-        return params
-
-    def _check_spec_decode_params(self, request_id: str, params: SamplingParams) -> None:
-        """What the rejection samplers do not implement yet is refused, never ignored."""
-        unsupported = spec_decode_unsupported(params)
-        if unsupported:
-            raise EngineInputError(
-                f"request {request_id!r}: {', '.join(unsupported)} with speculative decoding "
-                "is not supported yet; drop them from SamplingParams or run the engine with "
-                "speculative_config=None"
-            )
+        return validate_params(request_id, sampling_params, self)
 
     def abort_request(self, request_ids: Iterable[str] | str) -> None:
         """Abort requests by id; a parent id (n > 1) aborts all of its samples."""
