@@ -172,9 +172,9 @@ class GPUModelRunner(RunnerSetupMixin):
             return ModelRunnerOutput.empty()
         inputs = state.inputs
         with self.timer.stage("sample"):
-            if self.in_flight and state.sampling_metadata.repetition_penalty is not None:
-                # The penalties count output tokens on the host: wait for the copy of the
-                # latest step's (it overlapped this step's forward) and land them.
+            if self.in_flight and state.sampling_metadata.reads_output_tokens:
+                # Penalties count the output tokens, bad words match their tail, on the host:
+                # wait for the copy of the latest step's (it overlapped this forward), land it.
                 self.in_flight.land(self.persistent_batch, keep_latest=False)
             if state.spec is not None:
                 spec_out = self._sample_spec(state)
