@@ -194,11 +194,11 @@ class GPUModelRunner(RunnerSetupMixin):
             return ModelRunnerOutput.empty()
         inputs = state.inputs
         with self.timer.stage("sample"):
-            if self.in_flight and (state.sampling_metadata.repetition_penalty is not None
+            if self.in_flight and (state.sampling_metadata.reads_output_tokens
                                    or self.logits_processors):
-                # The penalties (and custom processors, through their live output lists)
-                # read output tokens on the host: wait for the copy of the latest step's
-                # (it overlapped this step's forward) and land them.
+                # Penalties count the output tokens, bad words match their tail and custom
+                # processors read their live output lists, on the host: wait for the copy
+                # of the latest step's (it overlapped this forward) and land it.
                 self.in_flight.land(self.persistent_batch, keep_latest=False)
             if state.spec is not None:
                 spec_out = self._sample_spec(state)

@@ -29,8 +29,9 @@ from runner_v1.sampling_metadata_builder import (
 # Every row-indexed field of PersistentBatch, by attribute name. condense() and
 # swap_states() move exactly these; add a field here when you add one to __init__.
 ROW_FIELDS: tuple[str, ...] = (
-    # Python lists (request ids, references to output lists, stop ids)
+    # Python lists (request ids, references to output lists, stop ids, built-ins)
     "_req_ids", "req_output_token_ids", "stop_token_ids",
+    "allowed_token_ids", "logit_bias", "bad_words",
     # tokens and counters
     "token_ids", "num_tokens", "num_prompt_tokens", "num_computed_tokens",
     # sampling values
@@ -69,6 +70,12 @@ class PersistentBatch:
         # References to the requests' generated-token lists (the sampler's penalties).
         self.req_output_token_ids: list[list[int] | None] = [None] * R
         self.stop_token_ids: list[tuple[int, ...] | None] = [None] * R
+        # Built-in logits processors, per row, None = unused (see _write_builtin_row).
+        # Lists of small per-request arrays rather than an [R, vocab] mask: a move is a
+        # reference copy, and a rebuild sends only the ids to the device.
+        self.allowed_token_ids: list[np.ndarray | None] = [None] * R
+        self.logit_bias: list[tuple[np.ndarray, np.ndarray] | None] = [None] * R
+        self.bad_words: list[tuple[tuple[tuple[int, ...], int], ...] | None] = [None] * R
 
         # The token table is never copied to the device as a whole (input prep gathers
         # from it into a pinned buffer), so it is not pinned: pinning R x max_model_len
@@ -207,6 +214,31 @@ class PersistentBatch:
         eos = request.eos_token_id
         self.eos_token_id[row] = -1 if eos is None or sp.ignore_eos else eos
         self.stop_token_ids[row] = tuple(sp.stop_token_ids)
+        self._write_builtin_row(row, request)
+
+    def _write_builtin_row(self, row: int, request: CachedRequestState) -> None:
+        """Written on every add, None included: a row keeps its previous occupant's
+        values otherwise (vLLM's V1 leaks a stale allowed-ids mask row that way). Ids past
+        the vocabulary are dropped here, as the oracle ignores them."""
+        sp, v = request.sampling_params, self.vocab_size
+        allowed = None
+        if sp.allowed_token_ids is not None:
+            # Kept even when empty after the cut: then the row allows no token at all.
+            ids = np.asarray(sp.allowed_token_ids, dtype=np.int64)
+            allowed = ids[ids < v]
+        self.allowed_token_ids[row] = allowed
+        bias = None
+        if sp.logit_bias:
+            ids = np.fromiter(sp.logit_bias, dtype=np.int64, count=len(sp.logit_bias))
+            # float32 storage: the sampler widens it to the compute dtype, as the oracle
+            values = np.fromiter(sp.logit_bias.values(), dtype=np.float32,
+                                 count=len(sp.logit_bias))
+            keep = ids < v
+            if keep.any():
+                bias = (ids[keep], values[keep])
+        self.logit_bias[row] = bias
+        words = tuple((tuple(w[:-1]), w[-1]) for w in sp.bad_words_token_ids or () if w[-1] < v)
+        self.bad_words[row] = words or None
 
     def remove_request(self, req_id: str) -> int | None:
         """Empty the request's row (a hole until condense()); returns the row or None."""
@@ -215,9 +247,8 @@ class PersistentBatch:
             return None
         self.batch_update_builder.removed(row)  # first: it may refuse (see BatchUpdate)
         del self.req_id_to_index[req_id]
-        self._req_ids[row] = None
-        self.req_output_token_ids[row] = None
-        self.stop_token_ids[row] = None
+        for values in self._row_lists:  # the request id, its output list, its built-ins
+            values[row] = None
         # The blocks go back to the pool now; if this row ends up past num_reqs it is a
         # padded row of a graph batch and must not name blocks someone else will own.
         self.block_table.clear_row(row)
@@ -234,10 +265,9 @@ class PersistentBatch:
         self.batch_update_builder = BatchUpdateBuilder()
         for row in live:
             self.batch_update_builder.removed(row)
-        self._req_ids[:] = [None] * self.max_num_reqs
         self.req_id_to_index.clear()
-        self.req_output_token_ids[:] = [None] * self.max_num_reqs
-        self.stop_token_ids[:] = [None] * self.max_num_reqs
+        for values in self._row_lists:
+            values[:] = [None] * self.max_num_reqs
         for row in range(self._num_rows):
             self.block_table.clear_row(row)
         self._num_rows = 0

@@ -1,7 +1,7 @@
 """V1 sampler: the shared sampling semantics in vectorised PyTorch over batch rows.
 
-The semantics (penalties, min_tokens, greedy, temperature, min_p, top_k, top_p,
-Gumbel-max with the shared noise, raw logprobs) are spelled out in
+The semantics (built-in logits processors, penalties, min_tokens, greedy, temperature,
+min_p, top_k, top_p, Gumbel-max with the shared noise, raw logprobs) are spelled out in
 tests/oracles/sampling_reference.py; the noise in shared/sampling/noise.py. V2's Triton
 sampler computes exactly the same function, so every floating-point step below is
 written as the same sequence of IEEE operations as the Triton kernels: a plain
@@ -16,6 +16,11 @@ import math
 
 import torch
 
+from runner_v1.builtin_processors import (
+    apply_allowed_token_ids,
+    apply_bad_words,
+    apply_logit_bias,
+)
 from runner_v1.logits_processor import V1LogitsProcessors
 from runner_v1.sampling_metadata import SamplingMetadata
 from shared.contract.sampler_output import SamplerOutput
@@ -42,15 +47,15 @@ class Sampler:
         assert metadata.all_greedy or (positions is not None
                                        and positions.shape == (logits.shape[0],))
         if (metadata.repetition_penalty is None and not metadata.min_tokens_stop_ids
-                and metadata.max_num_logprobs is None and not processors):
+                and metadata.max_num_logprobs is None
+                and not metadata.uses_builtin_processors and not processors):
             # Nothing reads a compute-dtype copy of the logits: sample() takes them as they
             # are (an all-greedy batch: their argmax; otherwise it divides them by the
             # temperature in the compute dtype, promotion widening exactly as the copy
             # would), which saves a [N, vocab] pass over the logits.
             return SamplerOutput(sample(logits, metadata, positions), None, None, None)
-        raw = logits.to(compute_dtype(logits))
-        x = apply_penalties(raw, metadata)
-        x = apply_min_tokens(x, metadata)
+        raw = logits.to(compute_dtype(logits))  # may be logits itself: never written
+        x = process_logits(raw, metadata)
         if processors:
             # processors may write in place: never into the raw logits (logprobs read them)
             x = processors.apply(x.clone() if x is raw or x is logits else x,
@@ -60,6 +65,16 @@ class Sampler:
             return SamplerOutput(tokens, None, None, None)
         ids, lps, ranks = compute_logprobs(raw, tokens, metadata.max_num_logprobs)
         return SamplerOutput(tokens, ids, lps, ranks)
+
+
+def process_logits(raw: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+    """The oracle's processed_logits on the compute-dtype logits, in its order; each step
+    returns a new tensor (or its input, when no row uses it), so raw stays unchanged."""
+    x = apply_allowed_token_ids(raw, metadata)
+    x = apply_logit_bias(x, metadata)
+    x = apply_penalties(x, metadata)
+    x = apply_min_tokens(x, metadata)
+    return apply_bad_words(x, metadata)
 
 
 def _bin_counts(token_ids: torch.Tensor, vocab_size: int) -> torch.Tensor:

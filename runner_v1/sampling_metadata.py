@@ -34,3 +34,25 @@ class SamplingMetadata:
     max_num_logprobs: int | None
     # rows still below min_tokens -> token ids to mask (stop ids, EOS unless ignore_eos)
     min_tokens_stop_ids: dict[int, list[int]]
+    # Built-in logits processors (runner_v1/builtin_processors.py); each None when no row
+    # uses it, so a batch without them builds and applies nothing.
+    # bool [N, V]: True = the row may sample the token; rows without allowed_token_ids
+    # are all True
+    allowed_token_mask: torch.Tensor | None = None
+    # logit_bias entries of every row: int64 [2, K] (row; token id) and float32 [K]
+    logit_bias_index: torch.Tensor | None = None
+    logit_bias_values: torch.Tensor | None = None
+    # row -> its bad words as (prefix, last token) pairs; matched per step on the host
+    # against output_token_ids
+    bad_words: dict[int, tuple[tuple[tuple[int, ...], int], ...]] | None = None
+
+    @property
+    def reads_output_tokens(self) -> bool:
+        """The sampler reads output_token_ids on the host (penalties, bad words): under
+        async scheduling the latest step's placeholders must have landed."""
+        return self.repetition_penalty is not None or bool(self.bad_words)
+
+    @property
+    def uses_builtin_processors(self) -> bool:
+        return (self.allowed_token_mask is not None or self.logit_bias_index is not None
+                or bool(self.bad_words))

@@ -50,6 +50,8 @@ def make_sampling_metadata(batch: PersistentBatch) -> SamplingMetadata:
     )
     num_logprobs = batch.num_logprobs[:n].tolist()
     max_num_logprobs = max(num_logprobs, default=-1)
+    bias_index, bias_values = make_logit_bias(batch, n)
+    bad_words = {row: words for row, words in enumerate(batch.bad_words[:n]) if words}
     return SamplingMetadata(
         num_reqs=n,
         temperature=batch.temperature.copy_to_gpu(n),
@@ -67,6 +69,10 @@ def make_sampling_metadata(batch: PersistentBatch) -> SamplingMetadata:
         num_logprobs=num_logprobs,
         max_num_logprobs=max_num_logprobs if max_num_logprobs >= 0 else None,
         min_tokens_stop_ids={},
+        allowed_token_mask=make_allowed_token_mask(batch, n),
+        logit_bias_index=bias_index,
+        logit_bias_values=bias_values,
+        bad_words=bad_words or None,
     )
 
 
@@ -79,3 +85,44 @@ def make_prompt_token_ids(batch: PersistentBatch, n: int) -> torch.Tensor:
     prompt[np.arange(width)[None, :] >= prompt_lens[:, None]] = batch.vocab_size
     # A blocking copy: `prompt` is a temporary in pageable memory.
     return torch.from_numpy(prompt).to(batch.device)
+
+
+def _rows_using(values: list, n: int) -> list[int]:
+    # a loop over requests (once per rebuild), never over their tokens
+    return [row for row in range(n) if values[row] is not None]
+
+
+def _to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
+    # blocking: the arrays are temporaries in pageable memory
+    return torch.from_numpy(np.ascontiguousarray(array)).to(device)
+
+
+def make_allowed_token_mask(batch: PersistentBatch, n: int) -> torch.Tensor | None:
+    """bool [n, vocab] on the device, True = may be sampled; rows without allowed ids are
+    all True. Built from the rows' id lists alone, so a row can only ever carry its
+    current request's constraint (never a vacated row's). None when no row has any."""
+    rows = _rows_using(batch.allowed_token_ids, n)
+    if not rows:
+        return None
+    ids = [batch.allowed_token_ids[row] for row in rows]
+    row_of_id = np.repeat(np.asarray(rows, dtype=np.int64), [len(a) for a in ids])
+    mask = torch.ones(n, batch.vocab_size, dtype=torch.bool, device=batch.device)
+    mask[_to_device(np.asarray(rows, dtype=np.int64), batch.device)] = False
+    mask[_to_device(row_of_id, batch.device), _to_device(np.concatenate(ids), batch.device)] = True
+    return mask
+
+
+def make_logit_bias(
+    batch: PersistentBatch, n: int
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """Every row's logit_bias entries: int64 [2, K] (row; token id) and float32 [K], or
+    (None, None) when no row has any. A row's ids are unique (dict keys), so no entry
+    is added twice."""
+    rows = _rows_using(batch.logit_bias, n)
+    if not rows:
+        return None, None
+    entries = [batch.logit_bias[row] for row in rows]
+    row_of = np.repeat(np.asarray(rows, dtype=np.int64), [len(ids) for ids, _ in entries])
+    index = np.stack([row_of, np.concatenate([ids for ids, _ in entries])])
+    values = np.concatenate([vals for _, vals in entries])
+    return _to_device(index, batch.device), _to_device(values, batch.device)

@@ -77,7 +77,9 @@ def check_supported(metadata: SamplingMetadata, method: str) -> None:
     unsupported = [name for name, used in (
         ("penalties", metadata.repetition_penalty is not None),
         ("min_tokens", bool(metadata.min_tokens_stop_ids)),
-        ("logprobs", metadata.max_num_logprobs is not None)) if used]
+        ("logprobs", metadata.max_num_logprobs is not None),
+        ("allowed_token_ids / logit_bias / bad words", metadata.uses_builtin_processors),
+    ) if used]
     if unsupported:
         raise ValueError(f"speculative decoding does not support {', '.join(unsupported)}")
 

@@ -99,6 +99,29 @@ def expected_row(state: CachedRequestState) -> dict:
     }
 
 
+def expected_builtins(state: CachedRequestState) -> dict:
+    """The row's built-in logits processor values, ids past the vocabulary dropped."""
+    sp = state.sampling_params
+    allowed = None
+    if sp.allowed_token_ids is not None:
+        allowed = [t for t in sp.allowed_token_ids if t < VOCAB]
+    bias = {t: float(np.float32(b)) for t, b in (sp.logit_bias or {}).items() if t < VOCAB}
+    words = tuple((tuple(w[:-1]), w[-1]) for w in sp.bad_words_token_ids or () if w[-1] < VOCAB)
+    return {"allowed_token_ids": allowed, "logit_bias": bias or None, "bad_words": words or None}
+
+
+def builtins_at_row(batch: PersistentBatch, row: int) -> dict:
+    allowed, bias = batch.allowed_token_ids[row], batch.logit_bias[row]
+    return {
+        "allowed_token_ids": None if allowed is None else allowed.tolist(),
+        "logit_bias": None if bias is None else dict(zip(bias[0].tolist(), bias[1].tolist())),
+        "bad_words": batch.bad_words[row],
+    }
+
+
+NO_BUILTINS = {"allowed_token_ids": None, "logit_bias": None, "bad_words": None}
+
+
 def expected_min_tokens_stop_ids(layout: list, states: dict) -> dict[int, list[int]]:
     result = {}
     for row, req_id in enumerate(layout):
@@ -124,6 +147,7 @@ def check_request_at_row(batch: PersistentBatch, state: CachedRequestState, row:
         assert array[row] == value, (name, row, array[row], value)
     assert batch.stop_token_ids[row] == tuple(state.sampling_params.stop_token_ids)
     assert batch.req_output_token_ids[row] is state.output_token_ids
+    assert builtins_at_row(batch, row) == expected_builtins(state)
     table = batch.block_table
     nb = len(state.block_ids)
     assert table.num_blocks_per_row[row] == nb
@@ -148,6 +172,14 @@ sampling_params_st = st.builds(
     presence_penalty=st.sampled_from([0.0, 0.5]),
     frequency_penalty=st.sampled_from([0.0, -0.5]),
     repetition_penalty=st.sampled_from([1.0, 1.2]),
+    # ids up to VOCAB + 2: those past the vocabulary are dropped by the batch
+    allowed_token_ids=st.one_of(st.none(), st.lists(st.integers(0, VOCAB + 2), min_size=1,
+                                                    max_size=4, unique=True)),
+    logit_bias=st.one_of(st.none(), st.dictionaries(st.integers(0, VOCAB + 2),
+                                                    st.sampled_from([-2.5, 0.1, 7.0]),
+                                                    max_size=3)),
+    bad_words_token_ids=st.one_of(st.none(), st.lists(
+        st.lists(st.integers(0, VOCAB + 2), min_size=1, max_size=3), min_size=1, max_size=3)),
 )
 tokens_st = st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=10)
 
@@ -330,6 +362,7 @@ class PersistentBatchMachine(RuleBasedStateMachine):
                         for s in states]
             assert md.prompt_token_ids.tolist() == expected
         assert md.min_tokens_stop_ids == expected_min_tokens_stop_ids(self.layout, self.live)
+        check_builtin_metadata(md, states)
 
     @invariant()
     def rows_match_model(self) -> None:
@@ -343,7 +376,35 @@ class PersistentBatchMachine(RuleBasedStateMachine):
                 check_request_at_row(batch, self.live[req_id], row)
             else:
                 assert not batch.block_table.np[row].any()  # holes hold no blocks
+                assert builtins_at_row(batch, row) == NO_BUILTINS  # nor built-ins
         assert not batch.block_table.np[len(self.layout):].any()
+        for row in range(len(self.layout), R):
+            assert builtins_at_row(batch, row) == NO_BUILTINS
+
+
+def check_builtin_metadata(md, states: list[CachedRequestState]) -> None:
+    """The mask, the bias entries and the bad words from each row's own request only."""
+    expected = [expected_builtins(s) for s in states]
+    allowed = [e["allowed_token_ids"] for e in expected]
+    if all(a is None for a in allowed):
+        assert md.allowed_token_mask is None
+    else:
+        mask = np.ones((len(states), VOCAB), dtype=bool)
+        for row, ids in enumerate(allowed):
+            if ids is not None:
+                mask[row] = np.isin(np.arange(VOCAB), ids)
+        assert md.allowed_token_mask.dtype == torch.bool
+        assert md.allowed_token_mask.numpy().tolist() == mask.tolist()
+    entries = {(row, t, b) for row, e in enumerate(expected)
+               for t, b in (e["logit_bias"] or {}).items()}
+    if not entries:
+        assert md.logit_bias_index is None and md.logit_bias_values is None
+    else:
+        rows, cols = md.logit_bias_index.tolist()
+        got = list(zip(rows, cols, md.logit_bias_values.tolist()))
+        assert len(got) == len(entries) and set(got) == entries
+    words = {row: e["bad_words"] for row, e in enumerate(expected) if e["bad_words"]}
+    assert md.bad_words == (words or None)
 
 
 TestPersistentBatchMachine = PersistentBatchMachine.TestCase
@@ -615,3 +676,29 @@ def test_adds_and_removes_after_a_move_are_refused_without_side_effects():
     batch.refresh_sampling_metadata()
     batch.add_request(make_state("d", [1]))  # fine in the next step
     assert batch.req_ids == ["c", "b", "a", "d"]
+
+
+def test_a_vacated_row_leaks_no_builtin():
+    """vLLM V1 leaves the vacated row of its allowed-ids mask set and swaps mask rows by
+    tuple assignment of views (../shared/reference/vllm-runners.md, 'Not cleared'). Here:
+    A (every built-in) in the top row moves down on condense, an unconstrained C takes
+    A's old row, then A and X swap."""
+    batch = make_batch()
+    full = SamplingParams(seed=0, allowed_token_ids=[5, 6], logit_bias={6: 2.0},
+                          bad_words_token_ids=[[8, 9]])
+    for name in "XYA":
+        batch.add_request(make_state(name, [1], full if name == "A" else None))
+    batch.refresh_sampling_metadata()
+    batch.remove_request("Y")
+    batch.condense()
+    batch.refresh_sampling_metadata()
+    assert batch.add_request(make_state("C", [1])) == 2  # A's vacated row
+    md = batch.refresh_sampling_metadata()
+    assert builtins_at_row(batch, 2) == NO_BUILTINS
+    assert md.allowed_token_mask[2].all() and not md.allowed_token_mask[1, 7:].any()
+    assert md.logit_bias_index.tolist() == [[1], [6]] and md.bad_words == {1: (((8,), 9),)}
+    batch.swap_states(0, 1)
+    md = batch.refresh_sampling_metadata()
+    assert batch.req_ids == ["A", "X", "C"]
+    assert md.allowed_token_mask.sum(dim=1).tolist() == [2, VOCAB, VOCAB]
+    assert md.logit_bias_index.tolist() == [[0], [6]] and md.bad_words == {0: (((8,), 9),)}
