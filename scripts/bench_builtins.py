@@ -41,7 +41,7 @@ def mix_params(batch: int, vocab: int, steps: int, builtins: bool, seed: int = 0
                 kw["bad_words_token_ids"] = [
                     [rng.randrange(vocab) for _ in range(rng.randint(1, 3))] for _ in range(16)]
             if i % 64 == 2:
-                kw["allowed_token_ids"] = rng.sample(range(vocab), 1000)
+                kw["allowed_token_ids"] = rng.sample(range(vocab), min(1000, vocab // 2))
         out.append(SamplingParams(**kw))
     return out
 
@@ -52,7 +52,7 @@ def run(engine, params, prompt_len: int, warmup: int, steps: int) -> dict:
     rng = np.random.default_rng(0)
     ids = [f"r{i}" for i in range(len(params))]
     for rid, p in zip(ids, params):
-        engine.add_request(rid, rng.integers(1, 10000, prompt_len).tolist(), p)
+        engine.add_request(rid, rng.integers(1, min(10000, engine.vocab_size), prompt_len).tolist(), p)
     started: set[str] = set()
     while len(started) < len(ids):  # prefill until every request decodes
         for out in engine.step():
@@ -80,6 +80,18 @@ def run(engine, params, prompt_len: int, warmup: int, steps: int) -> dict:
         "sample_host_ms": s["stages_ms"]["sample"]["median"],
         "wall_ms": s["wall_ms"]["median"], "modes": s["cudagraph_modes"],
     }
+
+
+def print_table(report: dict) -> None:
+    fmt = lambda v: "-" if v is None else f"{v:8.3f}"  # noqa: E731
+    keys = ("step_gpu_ms", "sample_gpu_ms", "sample_host_ms", "wall_ms")
+    print(f"{'runner':6} {'case':10} " + " ".join(f"{k:>15}" for k in keys))
+    for runner, r in report["runners"].items():
+        for case, c in r["cases"].items():
+            print(f"{runner:6} {case:10} " + " ".join(f"{fmt(c[k]):>15}" for k in keys))
+        print(f"{runner:6} cost       " + " ".join(
+            f"{'-' if k not in r['builtins_cost_fraction'] else format(r['builtins_cost_fraction'][k], '.1%'):>15}"
+            for k in keys))
 
 
 def main() -> None:
@@ -120,10 +132,11 @@ def main() -> None:
             if none[key] is not None:
                 cost[key] = (mix[key] - none[key]) / mix[key]
         report["runners"][runner] = {"cases": cases, "builtins_cost_fraction": cost}
-        print(runner, json.dumps(report["runners"][runner], indent=1), flush=True)
+        print(runner, json.dumps(report["runners"][runner]), flush=True)
         del engine
         if args.device == "cuda":
             torch.cuda.empty_cache()
+    print_table(report)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(report, f, indent=1)
