@@ -24,6 +24,7 @@ from runner_v1.cudagraph import V1CudaGraphs
 from runner_v1.in_flight_tokens import InFlightTokens
 from runner_v1.logits_processor import BatchProcessorContext, V1LogitsProcessors
 from runner_v1.persistent_batch import PersistentBatch
+from runner_v1.pooling import pool_step
 from runner_v1.prepare_inputs import InputBuffers, PreparedInputs, prepare_inputs
 from runner_v1.prompt_logprobs import compute_prompt_logprobs_v1
 from runner_v1.request_state import CachedRequestState
@@ -193,6 +194,10 @@ class GPUModelRunner(RunnerSetupMixin):
         if state is None:
             return ModelRunnerOutput.empty()
         inputs = state.inputs
+        if self.pooler is not None:  # a pooling engine: pool the prompts, sample nothing
+            with self.timer.stage("sample"):
+                return pool_step(self.pooler, self.persistent_batch, inputs,
+                                 state.hidden_states, state.req_ids)
         with self.timer.stage("sample"):
             if self.in_flight and (state.sampling_metadata.reads_output_tokens
                                    or self.logits_processors):
@@ -271,6 +276,8 @@ class GPUModelRunner(RunnerSetupMixin):
         self.requests.clear()
         self.persistent_batch.clear()
         self.in_flight.clear()
+        if self.pooler is not None:
+            self.pooler.clear()
         self.prompt_logprobs_reqs.clear()
         if self.speculator is not None:
             self.speculator.reset()
@@ -284,6 +291,8 @@ class GPUModelRunner(RunnerSetupMixin):
         for req_id in so.finished_req_ids | so.preempted_req_ids:
             self.requests.pop(req_id, None)
             batch.remove_request(req_id)
+            if self.pooler is not None:
+                self.pooler.drop(req_id)
             if self.speculator is not None:
                 self.speculator.remove(req_id)
         # 2. In the batch but not scheduled this step: free the row, keep the state.
@@ -293,6 +302,8 @@ class GPUModelRunner(RunnerSetupMixin):
         # 3. New and resumed requests.
         to_add: list[CachedRequestState] = []
         for new in so.scheduled_new_reqs:
+            if self.pooler is not None:
+                self.pooler.add_request(new.req_id, new.pooling_params)
             state = CachedRequestState.from_new_request(new, new.eos_token_id)
             self.requests[new.req_id] = state
             to_add.append(state)

@@ -22,6 +22,7 @@ from runner_v2.block_tables import BlockTables
 from runner_v2.cudagraph import CudaGraphManager
 from runner_v2.input_batch import InputBatch, InputBuffers, gather_batch_req_state, prepare_inputs
 from runner_v2.logits_processor import SlotProcessorContext, V2LogitsProcessors
+from runner_v2.pooling import pool_step
 from runner_v2.post_update import post_update
 from runner_v2.prompt_logprobs import compute_prompt_logprobs_v2
 from runner_v2.sample.sampler import Sampler
@@ -154,6 +155,9 @@ class GPUModelRunner(RunnerSetupMixin):
         n = batch.num_reqs
         if state.spec is not None:
             return self._sample_spec(state)
+        if self.pooler is not None:  # a pooling engine: pool the prompts, sample nothing
+            with self.timer.stage("sample"):
+                return pool_step(self.pooler, batch, state.hidden_states, self.req_states)
         with self.timer.stage("sample"):
             hidden = state.hidden_states.index_select(0, batch.logits_indices)
             logits = self.executor.compute_logits(hidden)
@@ -253,6 +257,8 @@ class GPUModelRunner(RunnerSetupMixin):
         self.sampling_states.discard_staged_writes()
         if self.logits_processors:
             self.logits_processors.reset()
+        if self.pooler is not None:
+            self.pooler.clear()
 
     # ---- state updates ------------------------------------------------------------------
     def _finish_requests(self, so: SchedulerOutput) -> None:
@@ -262,6 +268,8 @@ class GPUModelRunner(RunnerSetupMixin):
 
     def _remove_request(self, req_id: str) -> None:
         row = self.req_states.remove_request(req_id)
+        if self.pooler is not None:
+            self.pooler.drop(req_id)
         if row is not None and self.logits_processors:
             self.logits_processors.remove_request(row)
 
@@ -280,6 +288,8 @@ class GPUModelRunner(RunnerSetupMixin):
             )
             if self.logits_processors:
                 self.logits_processors.add_request(row, new.sampling_params)
+            if self.pooler is not None:
+                self.pooler.add_request(new.req_id, new.pooling_params)
 
     def _update_requests(self, so: SchedulerOutput) -> None:
         cached = so.scheduled_cached_reqs

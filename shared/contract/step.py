@@ -7,6 +7,7 @@ The scheduler hands a runner one `SchedulerOutput` per step; the runner returns 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from shared.contract.sampling_params import SamplingParams
 
@@ -28,6 +29,9 @@ class NewRequestData:
     prompt_len: int  # length of the user prompt (<= len(prompt_token_ids))
     # The samplers mask EOS while fewer than min_tokens outputs exist (None: no EOS).
     eos_token_id: int | None = None
+    # A pooling engine's request (shared/contract/pooling.py PoolingParams): the runner
+    # pools its prompt instead of sampling; None otherwise.
+    pooling_params: Any = None
 
     @property
     def prefill_len(self) -> int:

@@ -1,4 +1,4 @@
-"""The `runnerlab` console script: explain | generate | ab | diff.
+"""The `runnerlab` console script: explain | generate | ab | diff | embed | classify.
 
 Engine options are flags named after the EngineArgs fields (--model-runner v1,
 --max-model-len 2048, --load-format dummy). Logs go to stderr, results to stdout.
@@ -22,6 +22,8 @@ commands:
   generate   generate text or token ids with either runner
   ab         the A/B step-time comparison of V1 and V2 (the main job)
   diff       the differential correctness harness: V1 vs V2 vs Hugging Face
+  embed      embeddings of prompts (a pooling engine, pooling_task='embed')
+  classify   class probabilities of prompts (a sequence-classification model)
 """
 
 
@@ -45,6 +47,10 @@ def main(argv: list[str] | None = None) -> int:
         from shared.harness.diff import diff_main
 
         return diff_main(rest)
+    if command in ("embed", "classify"):
+        from shared.harness.pool_cli import pool_main
+
+        return pool_main(command, rest)
     print(f"runnerlab: unknown command {command!r}\n\n{USAGE}", file=sys.stderr)
     return 2
 

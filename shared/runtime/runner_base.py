@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from shared.model.pooler import PromptPooler
 from shared.runtime.model_executor import ModelExecutor
 from shared.runtime.step_timing import StageTimer, StepStats
 
@@ -23,11 +24,17 @@ class RunnerSetupMixin:
     # A runner's speculative-decoding part (or None); it may own a draft model whose KV
     # cache shares the target's block layout (shared/runtime/draft_executor.py).
     speculator = None
+    # A pooling engine's pooler (shared/model/pooler.py), built with the model: the runner
+    # then pools the prompt's hidden states instead of sampling.
+    pooler: PromptPooler | None = None
 
     def load_model(self) -> None:
         self.executor.load_model()
         if self.speculator is not None:
             self.speculator.load_model()
+        settings = getattr(self.config, "pooler_config", None)
+        if settings is not None:
+            self.pooler = PromptPooler(settings, self.executor.model)
 
     def determine_num_blocks(self) -> int:
         extra = 0 if self.speculator is None else self.speculator.kv_bytes_per_block()
@@ -49,4 +56,7 @@ class RunnerSetupMixin:
         ids = torch.zeros(n, dtype=torch.int32, device=self.device)
         pos = torch.arange(n, dtype=torch.int64, device=self.device) % 16
         hidden = self.executor.forward(ids, pos, None, n)
-        self.executor.compute_logits(hidden[: self.max_num_reqs])
+        if self.pooler is None:
+            self.executor.compute_logits(hidden[: self.max_num_reqs])
+        elif self.pooler.settings.head != "hidden":  # a classifier has no LM head
+            self.executor.model.pooler_head(hidden)

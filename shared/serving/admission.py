@@ -11,6 +11,7 @@ from typing import Any
 
 import numpy as np
 
+from shared.contract.pooling import PoolingParams
 from shared.contract.sampling_params import SamplingParams, SamplingParamsError
 from shared.serving.request_params import (
     check_text_fields,
@@ -141,3 +142,31 @@ def _check_spec_decode_params(request_id: str, params: SamplingParams) -> None:
             "speculative_config=None"
         )
 
+
+
+# What a pooling request carries as its SamplingParams: the runners' per-request tables
+# want one, and a pooling request never samples, so nothing reads these values.
+POOLING_PLACEHOLDER_PARAMS = SamplingParams(max_tokens=1, temperature=0.0, seed=0)
+
+
+def validate_pooling_params(request_id: str, params: Any, engine_task: str | None) -> PoolingParams:
+    """A pooling request on a pooling engine: PoolingParams (or None) whose task, when
+    given, is the engine's."""
+    if engine_task is None:
+        raise EngineInputError(
+            f"request {request_id!r}: PoolingParams need a pooling engine; create it with "
+            "pooling_task='embed' (or classify, score, token_embed, token_classify)"
+        )
+    if params is None:
+        return PoolingParams(task=engine_task)
+    if not isinstance(params, PoolingParams):
+        raise EngineInputError(
+            f"request {request_id!r}: this engine runs pooling_task={engine_task!r}; pass "
+            f"PoolingParams (or None), not {type(params).__name__}"
+        )
+    if params.task is not None and params.task != engine_task:
+        raise EngineInputError(
+            f"request {request_id!r}: PoolingParams.task={params.task!r} but the engine runs "
+            f"pooling_task={engine_task!r}; one engine runs one task"
+        )
+    return params

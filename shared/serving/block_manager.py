@@ -84,6 +84,12 @@ class KVCacheManager:
             # prefix has none: recompute it (vLLM does the same). Its own blocks are still
             # registered (allocate_slots) for the requests after it.
             return [], 0
+        if request.pooling_params is not None:
+            # Pooling needs the final hidden state of every prompt token (MEAN, the token
+            # tasks) or of the first one (CLS), and a cached prefix has none: recompute.
+            # LAST could reuse a prefix; one rule for every pooling type keeps V1 and V2
+            # (and the chunk boundaries the pooler sees) identical by construction.
+            return [], 0
         self._update_block_hashes(request)
         max_hit_blocks = (request.num_tokens - 1) // self.block_size
         hit: list[int] = []

@@ -21,13 +21,16 @@ import torch
 from policy.config import EngineConfig
 from policy.logits_processors import load_class
 from shared.contract.outputs import CompletionOutput, RequestOutput, SpecDecodeStats
+from shared.contract.pooling import PoolingOutput, PoolingParams, PoolingRequestOutput
 from shared.contract.sampling_params import SamplingParams
 from shared.contract.step import SchedulerOutput
 from shared.runtime.kernel_options import use_kernel_options
 from shared.serving.admission import (  # noqa: F401 (re-exported: the engine's API)
     MAX_MIN_TOKENS_STOP_IDS,
+    POOLING_PLACEHOLDER_PARAMS,
     EngineInputError,
     validate_params,
+    validate_pooling_params,
     validate_prompt,
 )
 from shared.serving.detokenizer import IncrementalDetokenizer, decode_token
@@ -106,6 +109,8 @@ class LLMEngine:
         # custom logits processors: their classes' admission checks (validate_params)
         self._processor_classes = [load_class(s) for s in config.logits_processors]
         self.scheduler.decode_token = self._decode_token
+        # a pooling engine (one task for every request): prompts are pooled, not continued
+        self.pooling_task: str | None = getattr(config, "pooling_task", None)
 
     def _set_up_runner(self, config: Any) -> int:
         """Runner, weights, KV cache, CUDA graphs; returns the number of KV blocks."""
@@ -154,15 +159,22 @@ class LLMEngine:
 
     # ---- requests -------------------------------------------------------------------
     def add_request(
-        self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams
+        self, request_id: str, prompt_token_ids: list[int],
+        sampling_params: SamplingParams | PoolingParams | None,
     ) -> None:
-        """Queue one request (n > 1: its n samples). A bad request raises EngineInputError
-        before anything is queued, so the requests already in flight are untouched."""
+        """Queue one request (n > 1: its n samples; PoolingParams on a pooling engine). A
+        bad request raises EngineInputError before anything is queued, so the requests
+        already in flight are untouched."""
         if not isinstance(request_id, str):
             raise EngineInputError(
                 f"request id {request_id!r} is a {type(request_id).__name__}; pass a str"
             )
         prompt_token_ids = self._validate_prompt(request_id, prompt_token_ids)
+        if self.pooling_task is not None or isinstance(sampling_params, PoolingParams):
+            pooling = validate_pooling_params(request_id, sampling_params, self.pooling_task)
+            self._check_id_free(request_id)
+            self._queue(request_id, prompt_token_ids, POOLING_PLACEHOLDER_PARAMS, pooling)
+            return
         params = self._validate_params(request_id, sampling_params)
         if params.seed is None:
             # Every request gets a seed at admission, so its random stream is a pure
@@ -189,8 +201,10 @@ class LLMEngine:
                 "before resubmitting"
             )
 
-    def _queue(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+    def _queue(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+               pooling: PoolingParams | None = None) -> None:
         request = Request(request_id, prompt_token_ids, params, self.eos_token_id, self._arrivals)
+        request.pooling_params = pooling
         if params.stop:
             request.detokenizer = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params)
         self._arrivals += 1
@@ -311,8 +325,11 @@ class LLMEngine:
     def step_stats(self):
         return self.runner.step_stats
 
-    def _to_request_output(self, update: Any) -> RequestOutput:
+    def _to_request_output(self, update: Any) -> RequestOutput | PoolingRequestOutput:
         req: Request = update.request
+        if req.pooling_params is not None:
+            return PoolingRequestOutput(req.request_id, list(req.prompt_token_ids),
+                                        PoolingOutput(req.pooler_output), update.finished)
         params = req.sampling_params
         text = ""
         if req.detokenizer is not None:  # stop strings: the text as matched, truncated

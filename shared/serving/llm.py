@@ -12,6 +12,7 @@ import torch
 from shared.contract.outputs import RequestOutput
 from shared.contract.sampling_params import SamplingParams
 from shared.serving.engine import EngineInputError, LLMEngine
+from shared.serving.llm_pooling import PoolingAPI
 
 # One prompt as LLM.generate takes it: text, or token ids as a list / tuple of ints (NumPy
 # integer scalars too), a 1-D integer NumPy array or a 1-D integer torch tensor.
@@ -100,7 +101,7 @@ def normalize_prompts(prompts: Any) -> list[str | list[Any]]:
     return [_one_prompt(p, f"prompt {i}") for i, p in enumerate(items)]
 
 
-class LLM:
+class LLM(PoolingAPI):
     """`LLM(model="tiny-llama", dtype="float64", device="cpu", seed=0, model_runner="auto")`
     takes any EngineArgs field as a keyword."""
 

@@ -82,6 +82,10 @@ class Request:
         # Speculative decoding: the drafts the runner proposed for the next step (-1
         # entries: values on the device), consumed when scheduled; and the counters.
         self.spec_token_ids: list[int] = []
+        # Pooling (a pooling engine): the request runs its prompt and finishes with the
+        # pooler's output; sampling_params is then a placeholder the runners carry along.
+        self.pooling_params: Any = None
+        self.pooler_output: Any = None
         self.spec_decode_stats = SpecDecodeStats()
 
     def __repr__(self) -> str:

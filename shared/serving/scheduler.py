@@ -381,6 +381,8 @@ class Scheduler:
         self, request: Request, runner_output: ModelRunnerOutput, index: int,
         record: _InFlightStep,
     ) -> RequestUpdate | None:
+        if request.pooling_params is not None:
+            return self._apply_pooled(request, runner_output, index, record)
         sampled = runner_output.sampled_token_ids[index]
         if not sampled:  # a partial prefill chunk: nothing to sample from yet
             return None
@@ -421,6 +423,22 @@ class Scheduler:
             request.logprobs.extend(new_logprobs)
             request.cumulative_logprob += logprobs.logprobs[0]
         return RequestUpdate(request, new_token_ids, new_logprobs, request.is_finished)
+
+
+    def _apply_pooled(self, request: Request, runner_output: ModelRunnerOutput, index: int,
+                      record: _InFlightStep) -> RequestUpdate | None:
+        """A pooling request finishes with the step that pooled its last prompt chunk."""
+        pooled = runner_output.pooler_output[index] if runner_output.pooler_output else None
+        if pooled is None:  # a partial chunk
+            return None
+        request.pooler_output = pooled
+        if request.status == RequestStatus.PREEMPTED:
+            self.waiting.remove(request)
+        else:
+            self.running.remove(request)
+        self._finish(request, RequestStatus.FINISHED_STOPPED)
+        record.finished.append(request)
+        return RequestUpdate(request, [], None, True)
 
 
 def check_stop(request: Request, max_model_len: int) -> RequestStatus | None:
@@ -503,6 +521,7 @@ class _StepBuilder:
                 num_computed_tokens=request.num_computed_tokens,
                 prompt_len=request.num_prompt_tokens,
                 eos_token_id=request.eos_token_id,
+                pooling_params=request.pooling_params,
             )
         )
         self._take(request, num_new)
