@@ -21,7 +21,6 @@ TOL = 1e-9
 PROMPTS = [[(7 * i + 3 * j) % 500 + 1 for j in range(n)] for i, n in enumerate([5, 23, 1, 17, 40, 9])]
 # a 16-token budget: the 23- and 40-token prompts take several chunks
 SMALL = dict(max_num_batched_tokens=16, max_num_seqs=4, max_model_len=64, block_size=4)
-TINY_KV = dict(num_gpu_blocks_override=20)  # 80 tokens: preemption with 4 long prompts
 
 
 @pytest.fixture(scope="module")
@@ -111,15 +110,26 @@ def test_token_classify_equals_transformers(tok_dir):
         assert (out.outputs.data - ref).abs().max() < TOL
 
 
-def _count_preemptions(sched) -> list[str]:
+def _preempt_mid_prefill(sched) -> list[str]:
+    """Preempt the newest running request whose prompt is only partly computed, at every
+    third schedule, three times (a pooling engine's requests leave as soon as their
+    prompt is done, so a small KV pool rarely preempts one on its own; a bound, or a long
+    prompt could be preempted forever)."""
     preempted: list[str] = []
-    original = sched._preempt
+    original = sched._schedule_running
+    calls = [0]
 
-    def preempt(request, step):
-        preempted.append(request.request_id)
-        original(request, step)
+    def schedule_running(step):
+        calls[0] += 1
+        partial = [r for r in sched.running if 0 < r.num_computed_tokens < r.num_prompt_tokens]
+        if calls[0] % 3 == 0 and partial and len(preempted) < 3:
+            victim = partial[-1]
+            sched.running.remove(victim)
+            sched._preempt(victim, step)
+            preempted.append(victim.request_id)
+        original(step)
 
-    sched._preempt = preempt
+    sched._schedule_running = schedule_running
     return preempted
 
 
@@ -128,10 +138,10 @@ def test_v1_equals_v2_with_preemption(llama_dir, seq_dir, task):
     path = llama_dir if task == "embed" else seq_dir
     results = {}
     for runner in ("v1", "v2"):
-        llm = _llm(path, runner, task, pooler_config={"pooling_type": "MEAN"}, **TINY_KV)
-        preempted = _count_preemptions(llm.engine.scheduler)
+        llm = _llm(path, runner, task, pooler_config={"pooling_type": "MEAN"})
+        preempted = _preempt_mid_prefill(llm.engine.scheduler)
         results[runner] = [o.outputs.data for o in llm.encode(PROMPTS * 2)]
-        assert preempted, "the tiny KV cache must preempt"
+        assert len(preempted) >= 2
     assert all(torch.equal(a, b) for a, b in zip(results["v1"], results["v2"]))
     roomy = _llm(path, "v1", task, pooler_config={"pooling_type": "MEAN"})
     for a, b in zip(results["v1"], [o.outputs.data for o in roomy.encode(PROMPTS * 2)]):
