@@ -26,6 +26,7 @@ from policy.config import (  # noqa: E402
 from policy.engine_args import EngineArgs, add_engine_args, engine_args_from_namespace  # noqa: E402
 from policy.envs import EnvVarError  # noqa: E402
 from policy.model_config import RUNNERLAB_ARCHITECTURES, ModelConfig  # noqa: E402
+from policy.pooling import PoolerConfig, PoolerSettings  # noqa: E402
 from policy.presets import list_presets  # noqa: E402
 from policy.selection import (  # noqa: E402
     DEFAULT_V2_MODEL_RUNNER_ARCHITECTURES,
@@ -46,6 +47,8 @@ __all__ = [
     "LoadConfig",
     "ModelConfig",
     "ParallelConfig",
+    "PoolerConfig",
+    "PoolerSettings",
     "RUNNERLAB_ARCHITECTURES",
     "RUNNER_CLASSES",
     "RunnerDecision",

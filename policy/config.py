@@ -20,6 +20,7 @@ from policy.errors import field_error as _fail
 from policy.kernel_options import KernelOptions
 from policy.logits_processors import LogitsProcessorSpec
 from policy.model_config import ModelConfig, WeightSource
+from policy.pooling import PoolerSettings
 from policy.selection import RunnerDecision
 from policy.speculative import SpeculativeConfig, SpeculativeSettings  # noqa: F401 (re-export)
 
@@ -108,6 +109,8 @@ class EngineConfig:
     # resolved: class names and the runner interface each implements
     logits_processors: list[LogitsProcessorSpec] = field(default_factory=list)
     pooling_task: str | None = None
+    # resolved for pooling_task (None without one): pooling type, normalize / softmax, head
+    pooler_config: PoolerSettings | None = None
     enable_prompt_embeds: bool = False
 
     @property
@@ -217,12 +220,13 @@ def default_capture_sizes(max_size: int) -> list[int]:
 
 
 def resolve_compilation(device: str, cudagraph_mode: str, enforce_eager: bool,
-                        capture_sizes: list[int] | None,
-                        scheduler: SchedulerConfig) -> CompilationConfig:
+                        capture_sizes: list[int] | None, scheduler: SchedulerConfig,
+                        pooling_task: str | None = None) -> CompilationConfig:
     """cudagraph_mode "auto" -> FULL_AND_PIECEWISE for either runner (FULL graphs for
     uniform decode, piecewise graphs for the other batches that fit, eager above the largest
-    size), NONE on CPU or with enforce_eager. An explicit mode that cannot take effect (CPU,
-    enforce_eager) and capture sizes with no graphs are errors, not no-ops."""
+    size), PIECEWISE with a pooling task, NONE on CPU or with enforce_eager. An explicit mode
+    that cannot take effect (CPU, enforce_eager, FULL graphs for a pooling engine) and
+    capture sizes with no graphs are errors, not no-ops."""
     if cudagraph_mode != "auto" and cudagraph_mode != "NONE":
         if device == "cpu":
             raise _fail("cudagraph_mode", cudagraph_mode, "'auto', 'NONE' on device='cpu'",
@@ -230,11 +234,19 @@ def resolve_compilation(device: str, cudagraph_mode: str, enforce_eager: bool,
         if enforce_eager:
             raise _fail("cudagraph_mode", cudagraph_mode, "'auto', 'NONE' with enforce_eager=True",
                         "enforce_eager=True disables CUDA graphs")
+    # A pooling engine runs prefill only, never a uniform decode batch, so a FULL graph
+    # would be captured and never replayed; piecewise graphs still serve the prefill
+    # batches that fit.
+    if pooling_task is not None and cudagraph_mode in ("FULL", "FULL_AND_PIECEWISE"):
+        raise _fail("cudagraph_mode", cudagraph_mode,
+                    f"'auto', 'NONE', 'PIECEWISE' with pooling_task={pooling_task!r}",
+                    "a pooling engine runs prefill only and never replays a FULL graph, "
+                    "which serves uniform decode batches")
     if cudagraph_mode == "auto":
         if device == "cpu" or enforce_eager:
             mode = "NONE"
         else:
-            mode = "FULL_AND_PIECEWISE"
+            mode = "FULL_AND_PIECEWISE" if pooling_task is None else "PIECEWISE"
     else:
         mode = cudagraph_mode
     sizes = _resolve_capture_sizes(mode, capture_sizes, scheduler)

@@ -40,6 +40,7 @@ from policy.model_config import (
     build_model_config,
     weight_source,
 )
+from policy.pooling import PoolerConfig, PoolingTask, refuse_with_pooling, resolve_pooler
 from policy.presets import gguf_install_hint
 from policy.selection import decide_runner
 from policy.speculative import SpeculativeSettings, resolve_speculative
@@ -93,8 +94,12 @@ class EngineArgs(BaseModel):
                           "(policy/speculative.py)")
     logits_processors: list[str] = Field(
         default_factory=list, description="qualified names of custom logits processors")
-    pooling_task: Literal["embed", "classify", "score", "token_embed", "token_classify"] | None = (
-        Field(None, description="run a pooling task instead of generation"))
+    pooling_task: PoolingTask | None = Field(
+        None, description="run one pooling task for every request instead of generation "
+                          "(V2: embed, classify, score; V1: all)")
+    pooler_config: PoolerConfig | None = Field(
+        None, description='JSON, e.g. {"pooling_type": "MEAN", "normalize": false} or '
+                          '{"use_activation": false}; needs pooling_task (policy/pooling.py)')
     enable_prompt_embeds: bool = Field(False, description="accept prompt embeddings as input")
     kernel_options: KernelOptions = Field(
         default_factory=KernelOptions,
@@ -127,6 +132,10 @@ class EngineArgs(BaseModel):
         if self.seed < 0:
             raise ValueError(f"seed={self.seed} is not valid; accepted: an integer >= 0")
         model = build_model_config(self.model, self.dtype, device, self.max_model_len)
+        pooler = resolve_pooler(self.pooling_task, self.pooler_config, model)
+        refuse_with_pooling(self.pooling_task, speculative_config=self.speculative_config,
+                            logits_processors=list(self.logits_processors),
+                            async_scheduling=self.async_scheduling)
         cache = resolve_cache(self.block_size, self.num_gpu_blocks_override,
                               self.gpu_memory_utilization, self.enable_prefix_caching)
         scheduler = resolve_scheduler(device, model.max_model_len, self.max_num_seqs,
@@ -148,7 +157,8 @@ class EngineArgs(BaseModel):
             details=feature_table.feature_details(self),
         )
         compilation = resolve_compilation(device, self.cudagraph_mode, self.enforce_eager,
-                                          self.cudagraph_capture_sizes, scheduler)
+                                          self.cudagraph_capture_sizes, scheduler,
+                                          pooling_task=self.pooling_task)
         backend, backend_source = resolve_attention_backend(self.attention_backend, env_backend,
                                                             device)
         load = LoadConfig(load_format=self.load_format, seed=self.seed,
@@ -164,6 +174,7 @@ class EngineArgs(BaseModel):
             speculative_config=speculative,
             kernel_options=self._kernel_options(),
             logits_processors=processors, pooling_task=self.pooling_task,
+            pooler_config=pooler,
             enable_prompt_embeds=self.enable_prompt_embeds,
         )
         return config, blockers
@@ -253,7 +264,7 @@ def add_engine_args(parser: argparse.ArgumentParser, *, require_model: bool = Tr
             kwargs["type"] = kind
         elif typing.get_origin(kind) is list:
             kwargs.update(nargs="*", type=typing.get_args(kind)[0])
-        elif kind in (SpeculativeConfig, KernelOptions):
+        elif kind in (SpeculativeConfig, KernelOptions, PoolerConfig):
             kwargs.update(type=json.loads, metavar="JSON")
         group.add_argument(flag, **kwargs)
 

@@ -3,7 +3,8 @@
 Works for presets and for any directory or file holding a config.json, including
 architectures neither runner implements (it says so). Prints text, or JSON with --json
 (the RunnerDecision fields at the top level, plus "model", "config", "speculative_config"
-(null, or the resolved settings with the draft's model traits), "run_blockers", "env").
+(null, or the resolved settings with the draft's model traits), "pooler_config" (null, or
+the resolved pooler of pooling_task), "run_blockers", "env").
 The speculative-decoding rows of the feature table a config asks for are among its
 "requested_features", so the decision names them.
 Nothing is logged: the explanation is the output (on stdout).
@@ -65,6 +66,8 @@ def explain_report(config: EngineConfig, blockers: list[str]) -> dict[str, Any]:
     }
     spec = config.speculative_config
     report["speculative_config"] = None if spec is None else _speculative_report(spec)
+    pooler = config.pooler_config
+    report["pooler_config"] = None if pooler is None else pooler.model_dump(mode="json")
     report["run_blockers"] = blockers
     report["env"] = envs.describe()
     return report
@@ -90,6 +93,19 @@ def _speculative_line(spec: dict[str, Any]) -> str:
         line += (f"\n  draft: {draft['model']} ({draft['architecture']}, weights "
                  f"{spec['draft_weight_source']}); dims: {_dims(draft)}")
     return line
+
+
+def _pooler_line(pooler: dict[str, Any]) -> str:
+    words = [f"task {pooler['task']}", f"pooling {pooler['pooling_type']}"]
+    if pooler["normalize"] is not None:
+        words.append(f"normalize {'yes' if pooler['normalize'] else 'no'}")
+    if pooler["use_activation"] is not None:
+        words.append(f"softmax {'yes' if pooler['use_activation'] else 'no'}")
+    head = pooler["head"]
+    if head != "hidden":
+        head += f" ({pooler['num_labels']} labels)"
+    source = "the head's output" if pooler["applies_head"] else "the hidden states"
+    return "Pooling: " + ", ".join(words) + f"; model head {head}; pools {source}"
 
 
 def _traits(model: dict[str, Any]) -> str:
@@ -140,6 +156,8 @@ def format_text(report: dict[str, Any]) -> str:
     ]
     if report["speculative_config"] is not None:
         lines.append(_speculative_line(report["speculative_config"]))
+    if report["pooler_config"] is not None:
+        lines.append(_pooler_line(report["pooler_config"]))
     if report["run_blockers"]:
         lines.append("Would not run as configured:")
         lines += [f"  - {b}" for b in report["run_blockers"]]

@@ -41,11 +41,19 @@ class Feature:
 
 LOGITS_PROCESSORS_V1 = "custom logits processors (V1 interface)"
 LOGITS_PROCESSORS_V2 = "custom logits processors (V2 interface)"
+POOLING_TASK_LABEL = "pooling task "  # + the task: "pooling task token_embed"
+_V2_POOLING_REFUSAL = ("V1 only; vLLM's V2 raises at startup ('Model Runner V2 supports pooling "
+                       "tasks [...], but this model selects ...', VLLM_USE_V2_MODEL_RUNNER=0)")
 
 
 def _spec(s: dict[str, Any], name: str, value: str) -> bool:
     spec = s["speculative_config"]
     return spec is not None and _get(spec, name) == value
+
+
+def _pooling_row(task: str, v2: Status, vllm: str) -> Feature:
+    return Feature(f"{POOLING_TASK_LABEL}{task}", SUPPORTED, v2, "pooling_task=None",
+                   lambda s: s["pooling_task"] == task, vllm)
 
 
 FEATURES: tuple[Feature, ...] = (
@@ -93,11 +101,14 @@ FEATURES: tuple[Feature, ...] = (
         "newer V2 only: a slot-keyed interface (add_request / remove_request / apply with "
         "idx_mapping) that V1-style processors cannot use",
     ),
-    Feature(
-        "pooling", UNSUPPORTED, UNSUPPORTED, "pooling_task=None",
-        lambda s: s["pooling_task"] is not None,
-        "V1 all tasks; V2 a subset, raising at startup for the rest",
-    ),
+    # Pooling: one row per task (an engine runs one task for all its requests;
+    # policy/pooling.py resolves its pooler). vLLM's V2 raises at model load for a task it
+    # does not pool; here the table decides it at config time.
+    _pooling_row("embed", SUPPORTED, "both runners"),
+    _pooling_row("classify", SUPPORTED, "both runners"),
+    _pooling_row("score", SUPPORTED, "both runners (built on embed or classify)"),
+    _pooling_row("token_embed", UNSUPPORTED, _V2_POOLING_REFUSAL),
+    _pooling_row("token_classify", UNSUPPORTED, _V2_POOLING_REFUSAL),
     Feature(
         "prompt embeds", UNSUPPORTED, UNSUPPORTED, "enable_prompt_embeds=False",
         lambda s: bool(s["enable_prompt_embeds"]),

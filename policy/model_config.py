@@ -25,7 +25,28 @@ RUNNERLAB_ARCHITECTURES = frozenset({
     "Qwen3ForCausalLM",
     "MixtralForCausalLM",
     "Qwen2MoeForCausalLM",
+    "LlamaForSequenceClassification",
+    "Qwen2ForSequenceClassification",
+    "Qwen3ForSequenceClassification",
+    "LlamaForTokenClassification",
+    "Qwen2ForTokenClassification",
+    "Qwen3ForTokenClassification",
 })
+
+# The head a pooler needs, from the architecture name's suffix (transformers' naming);
+# "none": a causal LM (an embedding model pools its hidden states with no head).
+PoolingHead = Literal["none", "sequence_classification", "token_classification"]
+_POOLING_HEAD_SUFFIXES: dict[str, PoolingHead] = {
+    "ForSequenceClassification": "sequence_classification",
+    "ForTokenClassification": "token_classification",
+}
+
+
+def pooling_head_of(architecture: str) -> PoolingHead:
+    for suffix, head in _POOLING_HEAD_SUFFIXES.items():
+        if architecture.endswith(suffix):
+            return head
+    return "none"
 
 # State-space / recurrent models with no softmax attention at all.
 ATTENTION_FREE_MODEL_TYPES = frozenset({"mamba", "mamba2", "falcon_mamba", "rwkv", "xlstm"})
@@ -76,6 +97,7 @@ class ModelConfig(BaseModel):
     intermediate_size: int | None
     tie_word_embeddings: bool
     rope_theta: float | None = None
+    num_labels: int | None = Field(None, description="classification heads' outputs; None without one")
     config_dtype: str | None = Field(None, description="dtype the checkpoint was saved in")
     dtype: str = Field(description="resolved compute dtype name, e.g. 'float32'")
     max_model_len: int
@@ -88,6 +110,10 @@ class ModelConfig(BaseModel):
     @property
     def supported_by_runnerlab(self) -> bool:
         return self.architecture in RUNNERLAB_ARCHITECTURES
+
+    @property
+    def pooling_head(self) -> PoolingHead:
+        return pooling_head_of(self.architecture)
 
     @property
     def gguf_path(self) -> str | None:
@@ -105,6 +131,7 @@ class ModelConfig(BaseModel):
         out = self.model_dump()
         out["is_shape_only"] = self.is_shape_only
         out["supported_by_runnerlab"] = self.supported_by_runnerlab
+        out["pooling_head"] = self.pooling_head
         return out
 
 
@@ -219,10 +246,20 @@ def model_traits(cfg: Any, raw: dict[str, Any]) -> dict[str, Any]:
         "intermediate_size": _as_int(_first(text, raw, "intermediate_size", "ffn_hidden_size", "n_inner")),
         "tie_word_embeddings": bool(_first(cfg, raw, "tie_word_embeddings")),
         "rope_theta": float(rope_theta) if isinstance(rope_theta, (int, float)) else None,
+        "num_labels": _num_labels(cfg, raw) if pooling_head_of(architecture) != "none" else None,
         # (getattr(cfg, "torch_dtype") would trigger transformers' deprecation warning)
         "config_dtype": _dtype_name(
             getattr(cfg, "dtype", None) or raw.get("dtype") or raw.get("torch_dtype")),
     }
+
+
+def _num_labels(cfg: Any, raw: dict[str, Any]) -> int:
+    """len(id2label), else num_labels, else transformers' default of 2 (it writes no
+    id2label for 2 labels); the same rule as shared/model/pooling_models.num_labels_of."""
+    id2label = getattr(cfg, "id2label", None) or raw.get("id2label")
+    if id2label:
+        return len(id2label)
+    return _as_int(_first(cfg, raw, "num_labels")) or 2
 
 
 def _infer_architecture(model_type: str | None) -> str:

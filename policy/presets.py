@@ -10,6 +10,10 @@ Three kinds, and the kind decides where weights come from:
   for benchmarks. They need load_format="dummy"; "auto" is an error, so that nobody asking
   for Llama-3-8B gets random weights by surprise.
 
+The classification presets (tiny-llama-cls: LlamaForSequenceClassification, 3 labels;
+tiny-llama-token-cls: LlamaForTokenClassification, 5 labels) are tiny-llama with a score
+head instead of the LM head, for the pooling tasks.
+
 Draft presets (speculative_config.model with method="draft_model") are ordinary presets of
 a dense architecture with their target's vocabulary: DRAFT_PRESETS names each one's target.
 """
@@ -36,6 +40,9 @@ PRESET_KINDS: dict[str, PresetKind] = {
     "qwen3-0.6b": "shape-only",
     "tiny-llama-draft": "random",
     "llama-3.2-1b": "shape-only",
+    # pooling: tiny-llama's shape with a classification head (3 classes / 5 token labels)
+    "tiny-llama-cls": "random",
+    "tiny-llama-token-cls": "random",
 }
 
 # draft preset -> the preset it drafts for (same vocab_size, enough positions, dense).

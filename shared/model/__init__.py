@@ -1,4 +1,5 @@
-"""The model both runners share: Llama-family and MoE decoders, their weight loading
+"""The model both runners share: Llama-family and MoE decoders (and the Llama-family
+classification models), their weight loading
 (safetensors, the SmolLM2 GGUF, seeded dummy init) and the architecture registry."""
 
 from shared.model.loader import load_model

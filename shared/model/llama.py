@@ -295,12 +295,18 @@ class LlamaForCausalLM(nn.Module):
         self.config = hf_config
         self.rope = make_rope(hf_config)
         self.model = LlamaModel(hf_config, self._make_layer)
-        self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
-        self.lm_head = Linear(hf_config.hidden_size, hf_config.vocab_size)
+        self._make_head(hf_config)
+
+    # --- per-architecture hooks -----------------------------------------------------
+    def _make_head(self, cfg) -> None:
+        """The LM head, tied to the embedding when the config says so. The pooling models
+        (shared/model/pooling_models.py) build their score head here instead, so that no
+        vocab-sized matrix is ever allocated for them."""
+        self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", False))
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size)
         if self.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
-    # --- per-architecture hooks -----------------------------------------------------
     def _attention_options(self, cfg) -> dict:
         bias = bool(getattr(cfg, "attention_bias", False))
         return {"qkv_bias": bias, "o_bias": bias, "qk_norm": False}

@@ -11,6 +11,13 @@ _MODELS = {
     "Qwen3ForCausalLM": "shared.model.llama:Qwen3ForCausalLM",
     "MixtralForCausalLM": "shared.model.moe:MixtralForCausalLM",
     "Qwen2MoeForCausalLM": "shared.model.moe:Qwen2MoeForCausalLM",
+    # classification models (pooling): the causal LM's decoder with a score head
+    "LlamaForSequenceClassification": "shared.model.pooling_models:LlamaForSequenceClassification",
+    "LlamaForTokenClassification": "shared.model.pooling_models:LlamaForTokenClassification",
+    "Qwen2ForSequenceClassification": "shared.model.pooling_models:Qwen2ForSequenceClassification",
+    "Qwen2ForTokenClassification": "shared.model.pooling_models:Qwen2ForTokenClassification",
+    "Qwen3ForSequenceClassification": "shared.model.pooling_models:Qwen3ForSequenceClassification",
+    "Qwen3ForTokenClassification": "shared.model.pooling_models:Qwen3ForTokenClassification",
 }
 
 SUPPORTED_ARCHITECTURES: frozenset[str] = frozenset(_MODELS)

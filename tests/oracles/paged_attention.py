@@ -166,6 +166,14 @@ class PagedHarness:
     @torch.no_grad()
     def step(self, rows: list[tuple[list[int], int, list[int]]]) -> torch.Tensor:
         """-> logits [T, vocab] for every scheduled token, in row order."""
+        return self.model.compute_logits(self.hidden(rows))
+
+    @torch.no_grad()
+    def hidden(
+        self, rows: list[tuple[list[int], int, list[int]]], piecewise: bool = False
+    ) -> torch.Tensor:
+        """-> final hidden states [T, hidden] for every scheduled token, in row order
+        (through forward_piecewise_eager when `piecewise`)."""
         common = self.metadata(rows)
         md = TorchBackend().make_builder(self.device).build(common)
         ids = torch.tensor([t for tokens, _, _ in rows for t in tokens], device=self.device)
@@ -174,6 +182,6 @@ class PagedHarness:
             dtype=torch.int64,
             device=self.device,
         )
+        forward = self.model.forward_piecewise_eager if piecewise else self.model
         with set_forward_context(md, list(self.layers), ids.shape[0]):
-            hidden = self.model(ids, positions)
-        return self.model.compute_logits(hidden)
+            return forward(ids, positions)

@@ -50,7 +50,11 @@ BAD = [
      ["rejection_sample_method='block'", "model_runner='v2'", "rejection_sample_method='standard'"]),
     ({"logits_processors": ["pkg.mod:Proc"]}, ["logits_processors entry 'pkg.mod:Proc'",
                                                 "cannot import module 'pkg.mod'"]),
-    ({"pooling_task": "embed"}, ["pooling", "pooling_task=None"]),
+    ({"pooling_task": "classify"}, ["pooling_task='classify'", "LlamaForCausalLM",
+                                    "*ForSequenceClassification"]),
+    ({"pooling_task": "token_embed", "model_runner": "v2"},
+     ["pooling task token_embed", "model_runner='v1'", "pooling_task=None"]),
+    ({"pooler_config": {"normalize": False}}, ["pooler_config=", "pooling_task=None"]),
     ({"enable_prompt_embeds": True}, ["prompt embeds", "enable_prompt_embeds=False"]),
 ]
 

@@ -13,6 +13,8 @@ from policy import EngineArgs, RunnerSelectionError
 from policy import config as config_module
 from policy import features as feature_table
 from policy.features import FEATURES, SUPPORTED, requested_features, unsupported_for
+from policy.pooling import PoolerSettings
+from tests.policy.pooling_models import SEQ_CLS, TOKEN_CLS, classifier_dir, register_classifiers
 
 # label -> the runners that honour it, written from the docs, not read from the table:
 SUPPORTED_BY = {
@@ -23,12 +25,16 @@ SUPPORTED_BY = {
     "rejection_sample_method='standard'": {"v1", "v2"},
     "rejection_sample_method='synthetic'": {"v1", "v2"},
     "rejection_sample_method='block'": {"v2"},
-    # refused on both runners ("Known gaps": logits processors, pooling and prompt
-    # embeddings are refused by the feature table on both runners)
     # each interface runs on the runner it was designed for only
     "custom logits processors (V1 interface)": {"v1"},
     "custom logits processors (V2 interface)": {"v2"},
-    "pooling": set(),
+    # pooling (vLLM): V1 pools every task; V2 embed and classify, and score built on them
+    "pooling task embed": {"v1", "v2"},
+    "pooling task classify": {"v1", "v2"},
+    "pooling task score": {"v1", "v2"},
+    "pooling task token_embed": {"v1"},
+    "pooling task token_classify": {"v1"},
+    # refused on both runners (design-notes "Known gaps")
     "prompt embeds": set(),
     # both runners capture piecewise graphs between the attention calls (one shared
     # implementation, design-notes "Piecewise CUDA graphs (both runners)")
@@ -72,7 +78,14 @@ SETTINGS = {
         "logits_processors": ["runner_v1.example_logits_processors:NoRepeatNGram"]},
     "custom logits processors (V2 interface)": {
         "logits_processors": ["runner_v2.example_logits_processors:NoRepeatNGram"]},
-    "pooling": {"pooling_task": "embed"},
+    "pooling task embed": {"pooling_task": "embed"},
+    # the classification tasks on a model with their head (a config.json, no weights)
+    "pooling task classify": {"pooling_task": "classify", "model": SEQ_CLS,
+                              "load_format": "dummy"},
+    "pooling task score": {"pooling_task": "score"},
+    "pooling task token_embed": {"pooling_task": "token_embed"},
+    "pooling task token_classify": {"pooling_task": "token_classify", "model": TOKEN_CLS,
+                                    "load_format": "dummy"},
     "prompt embeds": {"enable_prompt_embeds": True},
     "cudagraph_mode='PIECEWISE'": {"cudagraph_mode": "PIECEWISE"},
     "cudagraph_mode='FULL_AND_PIECEWISE'": {"cudagraph_mode": "FULL_AND_PIECEWISE"},
@@ -84,9 +97,19 @@ SETTINGS = {
 }
 
 
+@pytest.fixture(autouse=True)
+def classifiers(monkeypatch):
+    """The classifier architectures count as implemented (the model registry gains them
+    in another session; the feature table must not wait for it)."""
+    register_classifiers(monkeypatch)
+
+
 def _args(label, **extra):
     # device="cuda" (faked) so that CUDA-graph features are meaningful
-    return EngineArgs(model="tiny-llama", device="cuda", **SETTINGS[label], **extra)
+    kwargs = {"model": "tiny-llama", "device": "cuda"} | SETTINGS[label] | extra
+    if kwargs["model"] in (SEQ_CLS, TOKEN_CLS):
+        kwargs["model"] = classifier_dir(kwargs["model"])
+    return EngineArgs(**kwargs)
 
 
 def test_every_feature_has_settings():
@@ -165,10 +188,11 @@ def test_table_rows():
     rows = feature_table.table()
     assert [r["feature"] for r in rows] == [f.label for f in FEATURES]
     assert all(r["v1"] in ("supported", "unsupported-yet") for r in rows)
-    # the V1-only features are ngram speculative decoding and the V1 processor interface
-    # (the piecewise graphs were V1-only until V2 got them)
+    # the V1-only features are ngram speculative decoding, the V1 processor interface and
+    # the token pooling tasks (the piecewise graphs were V1-only until V2 got them)
     assert {r["feature"] for r in rows if r["v1"] == "supported" and r["v2"] != "supported"} == {
-        "ngram speculative decoding", "custom logits processors (V1 interface)"}
+        "ngram speculative decoding", "custom logits processors (V1 interface)",
+        "pooling task token_embed", "pooling task token_classify"}
 
 
 # ---- each supported feature, run on CPU with the runner that supports it ---------------
@@ -424,7 +448,39 @@ def _run_processors(runner: str):
     return run
 
 
+# ---- pooling: for now the engine config each task gets on each runner ------------------
+# The end-to-end pooling runs (the engine's pooled outputs against an oracle) arrive from
+# another session; until then each pooling row's "run" builds the engine config with that
+# task on that runner (CPU) and checks the decision and the resolved pooler, written here:
+# task -> (model, pooling_type, normalize, use_activation, head, num_labels)
+POOLED = {
+    "embed": ("tiny-llama", "LAST", True, None, "hidden", None),
+    "classify": (SEQ_CLS, "LAST", None, True, "sequence_classifier", 3),
+    "score": ("tiny-llama", "LAST", True, None, "hidden", None),  # cosine similarity
+    "token_embed": ("tiny-llama", "ALL", True, None, "hidden", None),
+    "token_classify": (TOKEN_CLS, "ALL", None, True, "token_classifier", 5),
+}
+
+
+def _run_pooling_config(task: str, runner: str):
+    def run(monkeypatch):
+        model, pooling_type, normalize, use_activation, head, num_labels = POOLED[task]
+        extra = {} if model == "tiny-llama" else {"model": classifier_dir(model),
+                                                  "load_format": "dummy"}
+        cfg = EngineArgs(**({"model": model, "device": "cpu", "pooling_task": task,
+                             "model_runner": runner} | extra)).create_engine_config()
+        assert cfg.runner_decision.runner == runner and cfg.pooling_task == task
+        assert cfg.pooler_config == PoolerSettings(
+            task=task, pooling_type=pooling_type, normalize=normalize,
+            use_activation=use_activation, head=head, num_labels=num_labels)
+    return run
+
+
 RUNS = {
+    **{(f"pooling task {t}", r): _run_pooling_config(t, r)
+       for t in ("embed", "classify", "score") for r in ("v1", "v2")},
+    **{(f"pooling task {t}", "v1"): _run_pooling_config(t, "v1")
+       for t in ("token_embed", "token_classify")},
     ("custom logits processors (V1 interface)", "v1"): _run_processors("v1"),
     ("custom logits processors (V2 interface)", "v2"): _run_processors("v2"),
     **{("cudagraph_mode='PIECEWISE'", r): _run_piecewise(r) for r in ("v1", "v2")},

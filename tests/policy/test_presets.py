@@ -37,6 +37,13 @@ EXPECTED = {
         hidden_size=32, num_hidden_layers=1, num_attention_heads=2, num_kv_heads=1, head_dim=16,
         vocab_size=512, intermediate_size=64, max_position_embeddings=512,
         tie_word_embeddings=False)),
+    # pooling: tiny-llama with a classification head
+    "tiny-llama-cls": ("LlamaForSequenceClassification", "LlamaConfig", "random", False, dict(
+        hidden_size=64, num_hidden_layers=2, vocab_size=512, num_labels=3,
+        pooling_head="sequence_classification")),
+    "tiny-llama-token-cls": ("LlamaForTokenClassification", "LlamaConfig", "random", False, dict(
+        hidden_size=64, num_hidden_layers=2, vocab_size=512, num_labels=5,
+        pooling_head="token_classification")),
     # meta-llama/Llama-3.2-1B's config.json
     "llama-3.2-1b": ("LlamaForCausalLM", "LlamaConfig", "shape-only", False, dict(
         num_hidden_layers=16, hidden_size=2048, intermediate_size=8192, num_attention_heads=32,
@@ -66,6 +73,8 @@ def test_preset_traits(name):
     assert m.supported_by_runnerlab and m.is_shape_only is (kind == "shape-only")
     for key, value in values.items():
         assert getattr(m, key) == value, key
+    if "pooling_head" not in values:  # a causal LM: no classification head
+        assert (m.pooling_head, m.num_labels) == ("none", None)
 
 
 @pytest.mark.parametrize("name", sorted(EXPECTED))

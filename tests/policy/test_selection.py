@@ -42,7 +42,7 @@ HYBRID_LISTED = Traits("GraniteMoeForCausalLM", "granitemoe", is_moe=True, is_hy
 MAMBA = Traits("MambaForCausalLM", "mamba", is_attention_free=True, supported_by_runnerlab=False)
 
 V1_ONLY = "v1-only test feature"     # V1 supports it, V2 does not (fixture v1_only_feature)
-POOLING = "pooling"  # no runner supports it yet
+NO_RUNNER = "prompt embeds"  # no runner supports it yet
 
 # (id, model, model_runner, env, features, triton, expected runner, source, text in reasons[0])
 CASES = [
@@ -136,10 +136,11 @@ ERRORS = [
     ("env-1-v2-unsupported", DENSE, "auto", True, [V1_ONLY], True,
      [V1_ONLY, "V1 supports them", "model_runner='v1'", "cudagraph_mode='auto'"]),
     ("arg-v2-v2-unsupported", MIXTRAL, "v2", None, [V1_ONLY], True, [V1_ONLY, "V1"]),
-    ("auto-no-runner", DENSE, "auto", None, [POOLING], True,
-     [POOLING, "No model runner supports", "pooling_task=None"]),
-    ("arg-v1-no-runner", DENSE, "v1", None, [POOLING], True, [POOLING, "pooling_task=None"]),
-    ("env-0-no-runner", MIXTRAL, "auto", False, [POOLING, V1_ONLY], True, [POOLING]),
+    ("auto-no-runner", DENSE, "auto", None, [NO_RUNNER], True,
+     [NO_RUNNER, "No model runner supports", "enable_prompt_embeds=False"]),
+    ("arg-v1-no-runner", DENSE, "v1", None, [NO_RUNNER], True,
+     [NO_RUNNER, "enable_prompt_embeds=False"]),
+    ("env-0-no-runner", MIXTRAL, "auto", False, [NO_RUNNER, V1_ONLY], True, [NO_RUNNER]),
 ]
 
 

@@ -77,13 +77,18 @@ def make_hf_model(name: str, seed: int = 0):
     model = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa")
     if hasattr(model, "set_experts_implementation"):
         model.set_experts_implementation("eager")  # float64 fails on grouped_mm
-    with torch.no_grad():
-        for pname, p in model.named_parameters():
-            if "norm" in pname:
-                p.copy_(1.0 + 0.2 * torch.randn_like(p))
-            else:
-                p.copy_(0.15 * torch.randn_like(p))
-    return model.eval()
+    return randomise_parameters(model).eval()
+
+
+@torch.no_grad()
+def randomise_parameters(model):
+    """Norm weights around 1, every other parameter N(0, 0.15^2), from torch's global RNG."""
+    for pname, p in model.named_parameters():
+        if "norm" in pname:
+            p.copy_(1.0 + 0.2 * torch.randn_like(p))
+        else:
+            p.copy_(0.15 * torch.randn_like(p))
+    return model
 
 
 # ---------------------------------------------------------------------------------------
