@@ -9,7 +9,9 @@ ratios. Every runner runs the same engine loop (--engine-loop; `both`: each work
 under each loop, engines v1-sync, v2-sync, v1-async, v2-async). The throughput workload
 is set beside its floor (shared/harness/floor.py) at the read bandwidth and matmul rate
 measured at the start. `--workloads spec` (shared/harness/spec_workload.py) measures
-speculative decoding against the same engines without it. On a machine without a CUDA GPU, V2's Triton kernels run under the Triton
+speculative decoding against the same engines without it; `--workloads embed`
+(shared/harness/embed_workload.py) embeddings per second of pooling engines beside the
+GEMM-rate floor. On a machine without a CUDA GPU, V2's Triton kernels run under the Triton
 interpreter; the table, ab.json and ab.png say so, and the default sizes are smaller.
 """
 
@@ -48,6 +50,8 @@ from shared.harness.ab_engines import (
     run_order,
 )
 from shared.harness.chart import write_png
+from shared.harness.embed_args import EMBED
+from shared.harness.embed_workload import check_embed_configs, run_embed
 from shared.harness.floor import Floor, Rates, engine_shape, throughput_floor
 from shared.harness.measure import maybe_profile, measure_gemm_rate, measure_read_bandwidth
 from shared.harness.report import print_tables
@@ -78,6 +82,7 @@ def ab_main(argv: list[str]) -> int:
         check_flags(args, settings, device)
         check_lengths(settings, config.scheduler_config.max_model_len)
         check_spec_configs(args, settings)
+        check_embed_configs(args, settings)
         check_output_dir(args.output_dir)
     except (Refused, ValueError) as exc:  # ValueError: the engine configuration's own
         return usage_error(PROG, exc)
@@ -91,9 +96,10 @@ def ab_main(argv: list[str]) -> int:
 
 def _measure(args: argparse.Namespace, argv: list[str], settings: dict) -> int:
     """The workloads of the engines built up front, then (those freed first) the spec
-    workload, which builds its own engines config by config."""
+    workload, which builds its own engines config by config, then the embed workload,
+    which builds a pooling engine per runner."""
     report = None
-    if any(w != SPEC for w in settings["workloads"]):
+    if any(w not in (SPEC, EMBED) for w in settings["workloads"]):
         try:
             engines = build_engines(args, settings)
         except (ValueError, OSError) as exc:
@@ -106,6 +112,12 @@ def _measure(args: argparse.Namespace, argv: list[str], settings: dict) -> int:
                 engines, settings, next(iter(engines.values())).device))
         except BaselineError as exc:  # a spec engine's own failure is its entry's
             return _build_error(exc.error)
+    if EMBED in settings["workloads"]:
+        try:
+            report = run_embed(args, settings, report, lambda engines: _report_head(
+                engines, settings, next(iter(engines.values())).device))
+        except (ValueError, OSError) as exc:
+            return _build_error(exc)
     report["command"] = " ".join([PROG, *map(shlex.quote, argv)])
     try:
         paths = write_results(report, args.output_dir)
@@ -115,8 +127,9 @@ def _measure(args: argparse.Namespace, argv: list[str], settings: dict) -> int:
         return 1
     print_tables(report)
     print("\nwrote " + " and ".join(paths))
-    # (a spec engine that failed is in its entry and in "failures": the run goes on)
-    return 0 if report["tokens_identical"] and not report.get("failures") else 1
+    # (a spec engine that failed is in its entry and in "failures": the run goes on; so
+    # are embeddings that differ. The embed workload alone compares no tokens.)
+    return 0 if report.get("tokens_identical", True) and not report.get("failures") else 1
 
 
 def _build_error(exc: Exception) -> int:

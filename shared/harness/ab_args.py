@@ -23,6 +23,14 @@ from policy.cli_args import (
 )
 from policy.kernel_options import KernelOptions
 from shared.harness import workloads as wl
+from shared.harness.embed_args import (
+    EMBED,
+    add_embed_args,
+    embed_cpu_cut,
+    embed_flag_refusal,
+    embed_loop_refusal,
+    embed_settings,
+)
 from shared.harness.measure import decode_max_tokens
 from shared.harness.spec_args import (
     CPU_SPEC_SIZES,
@@ -38,7 +46,8 @@ from shared.harness.spec_args import (
 PROG = "runnerlab ab"
 RUNNERS = ("v1", "v2")
 WORKLOADS = ("decode", "prefill", "churn", "throughput")  # the defaults' (GPU: all four)
-ALL_WORKLOADS = WORKLOADS + (SPEC,)  # spec only when asked for (shared/harness/spec_args.py)
+# spec and embed only when asked for (shared/harness/spec_args.py, embed_args.py)
+ALL_WORKLOADS = WORKLOADS + (SPEC, EMBED)
 ENGINE_LOOPS = ("sync", "async", "both")
 ASYNC_FEATURE = "async scheduling"  # the policy.features row that says which runner has it
 # ab's own flags that only the decode workload reads (refused without it)
@@ -88,7 +97,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "--runners v1|v2")
     g.add_argument("--workloads", type=name_list("workload", ALL_WORKLOADS), default=None,
                    help="comma list of " + ",".join(ALL_WORKLOADS) + " (default: decode,"
-                   "prefill,churn, plus throughput on a GPU; spec only when named)")
+                   "prefill,churn, plus throughput on a GPU; spec and embed only when named)")
     g.add_argument("--engine-loop", choices=ENGINE_LOOPS, default=None,
                    help="the engine loop every runner runs: sync, async (async scheduling) or "
                    "both (each workload under each loop; engines v1-sync, v1-async, ...). "
@@ -111,6 +120,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--profile", action="store_true", help="write a torch.profiler trace per runner")
     g.add_argument("--nvtx", action="store_true", help="emit NVTX ranges (for nsys; CUDA only)")
     add_spec_args(p)
+    add_embed_args(p)
     return p
 
 
@@ -151,6 +161,8 @@ def _settings(args: argparse.Namespace, device: str, runners: list[str],
     }
     if SPEC in workloads:
         settings[SPEC] = spec_settings(args, device, loops.spec)
+    if EMBED in workloads:
+        settings[EMBED] = embed_settings(args, device, loops.loops)
     return settings
 
 
@@ -183,6 +195,8 @@ def _cpu_default_note(args: argparse.Namespace, cpu: Sizes, workloads: list[str]
         cuts.append(f"spec prompts of {CPU_SPEC_SIZES.prompt_len} tokens, "
                     f"{CPU_SPEC_SIZES.max_tokens} output tokens (GPU {GPU_SPEC_SIZES.prompt_len}, "
                     f"{GPU_SPEC_SIZES.max_tokens})")
+    if EMBED in workloads and embed_cpu_cut(args):
+        cuts.append(embed_cpu_cut(args))
     if args.workloads is None:
         cuts.append("no throughput workload (GPU: nano-vllm's 256 requests)")
     if not cuts:
@@ -200,6 +214,8 @@ def needed_len(settings: dict, workload: str) -> int:
         return wl.CHURN_PROMPT_LEN[1] + wl.CHURN_MAX_TOKENS[1]
     if workload == SPEC:  # (the scheduler trims drafts at max_model_len)
         return settings[SPEC]["prompt_len"] + settings[SPEC]["max_tokens"]
+    if workload == EMBED:  # prompts only: a pooling request generates nothing
+        return settings[EMBED]["max_len"]
     return wl.THROUGHPUT_MAX_LEN
 
 
@@ -228,7 +244,7 @@ def check_flags(args: argparse.Namespace, settings: dict, device: str) -> None:
             if getattr(args, name) is not None:
                 raise Refused(f"{flag} sets the decode workload, which --workloads "
                               f"{','.join(workloads)} leaves out")
-    refusal = spec_flag_refusal(args, workloads)
+    refusal = spec_flag_refusal(args, workloads) or embed_flag_refusal(args, workloads, settings)
     if refusal:
         raise Refused(refusal)
     share = getattr(args, "gpu_memory_utilization", None)
@@ -252,7 +268,7 @@ def check_flags(args: argparse.Namespace, settings: dict, device: str) -> None:
 
 # what lowers each workload's longest request (the others: drop the workload)
 SHORTER = {"decode": "lower --prompt-len / --steps",
-           SPEC: "lower --spec-prompt-len / --spec-max-tokens"}
+           SPEC: "lower --spec-prompt-len / --spec-max-tokens", EMBED: "lower --embed-max-len"}
 
 
 def check_lengths(settings: dict, max_model_len: int) -> None:
@@ -298,6 +314,8 @@ def _engine_args(args: argparse.Namespace, runner: str, loop: str, max_batch: in
 
     base = engine_args_from_namespace(args).model_dump()
     base["model_runner"] = runner
+    if base.get("pooler_config") is not None:  # the embed workload's engines' only
+        base["pooler_config"] = None
     if speculative is not None:
         base["speculative_config"] = speculative
     # (resolve_engine_loops has checked that --async-scheduling agrees with the loop)
@@ -349,6 +367,11 @@ def resolve_engine_loops(args: argparse.Namespace, runners: list[str]) -> Engine
     requested, source = _requested_loop(args)
     loops = _runner_loops(requested, source, runners)
     workloads = args.workloads or []
+    if workloads == [EMBED]:  # its pooling engines are the report's, and run sync only
+        refusal = embed_loop_refusal(requested, source)
+        if refusal:
+            raise Refused(refusal)
+        return EngineLoops(("sync",), loops.requested)
     if SPEC not in workloads:
         return loops
     spec = spec_engine_loop(requested, runners, alone=workloads == [SPEC])

@@ -44,7 +44,8 @@ def bar_style(label: str, colour: str) -> dict:
 def build_figure(report: dict) -> Any:
     """A matplotlib Figure with one panel per measured workload, in the order measured:
     decode as ms/step against batch size, the others as bars per stage (throughput: output
-    tokens/s beside its floor). None when nothing was measured."""
+    tokens/s beside its floor; embed: embeddings/s per runner beside its floor). None when
+    nothing was measured."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -61,6 +62,9 @@ def build_figure(report: dict) -> Any:
             _decode_panel(ax, entries, labels)
         elif name == "throughput":
             _rate_panel(ax, entries, labels, "output_tokens_per_s", "output tokens / s")
+        elif name == "embed":  # (one pooling engine per runner, whatever the loops)
+            _rate_panel(ax, entries, report.get("runners", ["v1", "v2"]), "embeddings_per_s",
+                        "embeddings / s", floor_key="embeddings_per_s")
         elif name == "spec":
             _spec_panel(ax, entries, report.get("runners", ["v1", "v2"]))
         else:
@@ -117,7 +121,8 @@ def _stage_bars(ax: Any, entries: list[dict], labels: list[str]) -> None:
     ax.set_ylabel("ms / step (median)")
 
 
-def _rate_panel(ax: Any, entries: list[dict], labels: list[str], key: str, unit: str) -> None:
+def _rate_panel(ax: Any, entries: list[dict], labels: list[str], key: str, unit: str,
+                floor_key: str = "tokens_per_s") -> None:
     width = 0.8 / len(labels)
     for i, entry in enumerate(entries):
         for j, label in enumerate(labels):
@@ -129,7 +134,7 @@ def _rate_panel(ax: Any, entries: list[dict], labels: list[str], key: str, unit:
             ax.bar(x, stats["median"], width, yerr=err, capsize=4,
                    **bar_style(label, "tab:purple"))
         if "floor" in entry:  # the workload's floor at the measured rates
-            ax.hlines(entry["floor"]["tokens_per_s"], i - 0.45, i + 0.45, colors="black",
+            ax.hlines(entry["floor"][floor_key], i - 0.45, i + 0.45, colors="black",
                       linestyles=":", label="floor")
     ax.set_xticks(range(len(entries)), [e["label"] for e in entries])
     ax.set_ylabel(f"{unit} (median, min..max)")

@@ -152,3 +152,39 @@ def engine_shape(engine: Any) -> ModelShape:
     executor = engine.runner.executor
     return model_shape(executor.model, engine.model_config,
                        executor.weight_bytes(include_embedding=False))
+
+
+# ------------------------------------------------------------------ the embed floor
+
+
+@dataclass(frozen=True)
+class GemmFloor:
+    """The embed workload's floor (issue 24): a prefill-bound run of `prompts` prompts of
+    `prompt_tokens` tokens in all can take no less than prompt tokens x 2 x the matmul
+    parameters a token passes through, at the measured GEMM rate. Attention and the
+    embedding lookup are left out (the floor stays below the work), and a pooling engine
+    runs no LM head (`parameters`, every parameter of the model, is reported beside it)."""
+
+    prompts: int
+    prompt_tokens: int
+    matmul_params: float
+    parameters: int
+    gemm_flops_per_s: float
+
+    @property
+    def flops(self) -> float:
+        return self.prompt_tokens * 2 * self.matmul_params
+
+    @property
+    def seconds(self) -> float:
+        return self.flops / self.gemm_flops_per_s
+
+    def to_json(self) -> dict[str, Any]:
+        return {**asdict(self), "flops": self.flops, "seconds": self.seconds,
+                "embeddings_per_s": self.prompts / self.seconds,
+                "prompt_tokens_per_s": self.prompt_tokens / self.seconds}
+
+
+def parameter_count(model: torch.nn.Module) -> int:
+    """Every parameter of the model, a tied embedding counted once."""
+    return sum(p.numel() for p in model.parameters())

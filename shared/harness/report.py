@@ -4,7 +4,8 @@ The chart is shared/harness/chart.py.
 
 Columns are engines (ab.json's keys: "v1", "v2", or "v1-sync" ... with --engine-loop
 both); a table holds the engines of one loop, with V2/V1 ratios when it has both runners.
-The spec workload's table has a row per (config, runner) instead (_print_spec).
+The spec workload's table has a row per (config, runner) instead (_print_spec), the embed
+workload's a row per runner (_print_embed).
 """
 
 from __future__ import annotations
@@ -66,6 +67,12 @@ def header_lines(report: dict) -> list[str]:
             f"{label.upper()} {e['engine_loop']} loop, graphs {e['cudagraph_mode']}"
             + ("" if not e["cudagraph_capture_sizes"] else f" at {e['capture_sizes']}")
             for label, e in engines.items()))
+    embed = report.get("workloads", {}).get("embed")
+    if embed and list(report["workloads"]) != ["embed"]:  # (alone: they are the engines above)
+        lines.append("embed engines (pooling_task='embed'): " + "; ".join(
+            f"{r.upper()} {e['engine_loop']} loop, graphs {e['cudagraph_mode']}"
+            + ("" if e["capture_sizes"] == "none" else f" at {e['capture_sizes']}")
+            for r, e in embed[0]["engines"].items()))
     lines += [f"WARNING: {w}" for w in report.get("warnings", [])]
     lines += [f"CAVEAT: {c}" for c in report.get("caveats", [])]
     note = report.get("settings", {}).get("defaults_note")
@@ -98,11 +105,12 @@ def print_tables(report: dict) -> None:
     else:
         across = "runners" if len(report.get("engine_loops", [None])) == 1 else \
             "engines (every runner under every loop)"
-    print(f"tokens identical across {across}: {report['tokens_identical']}")
+    if "tokens_identical" in report:  # (the embed workload alone generates no tokens)
+        print(f"tokens identical across {across}: {report['tokens_identical']}")
     groups = engine_groups(labels)
     for name, entries in report["workloads"].items():
-        if name == "spec":
-            _print_spec(entries, report)
+        if name in ("spec", "embed"):
+            (_print_spec if name == "spec" else _print_embed)(entries, report)
             continue
         for group in groups:
             _print_table(name, entries, group, len(groups) > 1, report["device"])
@@ -209,3 +217,46 @@ def _spec_cells(st: dict) -> str:
             f"{median(st, 'tokens_per_step') or 0:>8.3f} "
             f"{_fmt(median(st, 'wall_ms')) + '/' + _fmt(_stat(st, ('wall_ms',), 'p90')):>15} "
             f"{gpu_cell:>15} {acc_cells}")
+
+
+def _print_embed(entries: list[dict], report: dict) -> None:
+    """A row per runner: embeddings/s (median [min..max]), prompt tokens/s, seconds, steps
+    and the fraction of the GEMM-rate floor; the floor; the V1 - V2 agreement."""
+    runners = report.get("runners", ["v1", "v2"])
+    for e in entries:
+        f, check = e["floor"], e["agreement"]
+        pooler = next(iter(e["engines"].values())).get("pooler") or {}
+        pooled = "" if not pooler else f"{pooler['pooling_type']} pooling" + (
+            ", normalised" if pooler.get("normalize") else "") + "; "
+        print(f"\n== embed, {e['engine_loop']} loop ==  ({e['prompts']} prompts of "
+              f"{e['min_len']}..{e['max_len']} tokens, seeded, {e['prompt_tokens']:,} prompt "
+              f"tokens; {pooled}wall time from the first add to the last embedding, median "
+              "over the runs)")
+        print(f"{'runner':>6} {'embeddings/s':>24} {'prompt tok/s':>13} {'seconds':>9} "
+              f"{'steps':>6} {'of floor':>8}")
+        for r in runners:
+            st, rate = e[r], e[r]["embeddings_per_s"]
+            cell = f"{rate['median']:,.1f} [{rate['min']:,.1f}..{rate['max']:,.1f}]"
+            print(f"{r.upper():>6} {cell:>24} {median(st, 'prompt_tokens_per_s'):>13,.0f} "
+                  f"{median(st, 'seconds'):>9.3f} {median(st, 'steps'):>6.0f} "
+                  f"{st['floor_fraction']:>8.3g}")
+        if _compares_runners(runners):
+            ratio = _ratio(*(median(e[r], "embeddings_per_s") for r in ("v1", "v2")))
+            print(f"{'V2/V1':>6} {ratio:>24}")
+        print(f"{'floor':>6} {f['embeddings_per_s']:,.1f} embeddings/s: {f['prompt_tokens']:,} "
+              f"prompt tokens x 2 x {f['matmul_params']:.4g} matmul parameters (of "
+              f"{f['parameters']:.4g}) / {f['gemm_flops_per_s'] / 1e12:.3g} TFLOP/s "
+              f"{report.get('gemm_dtype', report['dtype'])} = {_seconds(f['seconds'])}; "
+              "of floor = floor time / measured time")
+        print("embeddings: " + _agreement_line(check))
+
+
+def _agreement_line(check: dict) -> str:
+    cells = [] if check["v1_vs_v2"] is None else [f"max |V1 - V2| {check['v1_vs_v2']:.3g}"]
+    cells += [f"{r.upper()}'s runs {d:.3g}" for r, d in check["runs"].items()]
+    if check["agree"] is None:
+        verdict = f"({check['dtype']}: reported only)"
+    else:
+        verdict = (f"({check['dtype']}: must be <= {check['tolerance']:g}): "
+                   + ("agree" if check["agree"] else "DIFFER"))
+    return ", ".join(cells) + " " + verdict
