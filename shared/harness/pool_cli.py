@@ -26,8 +26,9 @@ def pool_main(task: str, argv: list[str]) -> int:
         args = parser.parse_args(argv)
     except SystemExit as exc:
         return int(exc.code or 0)
-    if args.pooling_task not in (None, task):
-        return usage_error(prog, f"--pooling-task {args.pooling_task}: this command runs {task!r}")
+    given = getattr(args, "pooling_task", None)  # engine flags are absent unless given
+    if given not in (None, task):
+        return usage_error(prog, f"--pooling-task {given}: this command runs {task!r}")
     prompts = list(args.prompt or []) + list(args.prompt_ids or [])
     if not prompts:
         return usage_error(prog, "give at least one --prompt or --prompt-ids")
@@ -37,8 +38,7 @@ def pool_main(task: str, argv: list[str]) -> int:
     from shared.serving.llm import LLM
 
     try:
-        args.pooling_task = task
-        engine_args = engine_args_from_namespace(args)
+        engine_args = engine_args_from_namespace(args, pooling_task=task)
         llm = LLM(**engine_args.model_dump())
         outputs = llm.encode(prompts, pooling_task=task)
     except (EngineInputError, PoolingParamsError, ValueError) as exc:
