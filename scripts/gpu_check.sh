@@ -2,7 +2,7 @@
 # The GPU machine's one entry point: install what the image lacks from carried wheels,
 # run the gpu-marked tests, run the benchmarks, write everything under $OUT.
 #
-#   scripts/gpu_check.sh [gemv|tune|tests|boundary|attention|decode|profile|ab|ab_async|builtins|hf|all]...
+#   scripts/gpu_check.sh [gemv|tune|tests|boundary|attention|decode|profile|ab|ab_async|ab_embed|builtins|hf|all]...
 #
 # Stages run in the order of this file, whatever the order of the arguments. gemv and tune
 # write a GEMV launch table to $OUT/gemv_configs.json (gemv per shape, tune llama-3-8b's
@@ -78,6 +78,11 @@ if want ab_async; then
   python3 -m shared.harness.cli ab --model qwen3-0.6b --load-format dummy --dtype bfloat16 --device cuda \
     --workloads decode,churn,throughput --engine-loop async --output-dir "$OUT/ab_async" 2>&1 \
     | grep -v "^INFO" | tee "$OUT/ab_async.log"
+fi
+if want ab_embed; then
+  # pooling: 1,024 prompts of U[32, 512] tokens through a pooling engine per runner
+  python3 -m shared.harness.cli ab --model qwen3-0.6b --load-format dummy --dtype bfloat16 --device cuda \
+    --workloads embed --output-dir "$OUT/ab_embed" 2>&1 | grep -v "^INFO" | tee "$OUT/ab_embed.log"
 fi
 if want builtins; then
   # the built-in logits processors' cost at batch 256, both runners in one process
