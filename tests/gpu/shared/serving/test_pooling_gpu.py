@@ -27,7 +27,7 @@ def llama_dir(tmp_path_factory) -> str:
 
 def _outs(path, runner, task, **kw):
     llm = LLM(model=path, dtype="float32", device="cuda", seed=0, model_runner=runner,
-              pooling_task=task, **{**SMALL, **kw})
+              pooling_task=task, num_gpu_blocks_override=256, **{**SMALL, **kw})
     return [o.outputs.data for o in llm.encode(PROMPTS * 3)]
 
 
