@@ -7,11 +7,15 @@ them. The step half (execute_model, sample_tokens, capture_model) is each runner
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from shared.model.pooler import PromptPooler
 from shared.runtime.model_executor import ModelExecutor
 from shared.runtime.step_timing import StageTimer, StepStats
+
+logger = logging.getLogger("runnerlab")
 
 
 class RunnerSetupMixin:
@@ -35,6 +39,10 @@ class RunnerSetupMixin:
         settings = getattr(self.config, "pooler_config", None)
         if settings is not None:
             self.pooler = PromptPooler(settings, self.executor.model)
+            logger.info(
+                "Pooling: task %s, %s pooling, head %s; every step is a prefill, run eagerly "
+                "or in piecewise graphs (no FULL graphs: no uniform decode batch ever runs)",
+                settings.task, settings.pooling_type, settings.head)
 
     def determine_num_blocks(self) -> int:
         extra = 0 if self.speculator is None else self.speculator.kv_bytes_per_block()

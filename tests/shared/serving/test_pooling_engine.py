@@ -183,3 +183,25 @@ def test_a_generation_engine_refuses_pooling(llama_dir):
         llm.embed(PROMPTS[:1])
     with pytest.raises(EngineInputError, match="need a pooling engine"):
         llm.engine.add_request("x", PROMPTS[0], PoolingParams())
+
+
+def test_token_embed_equals_transformers(llama_dir):
+    llm = _llm(llama_dir, "v1", "token_embed")
+    for prompt, out in zip(PROMPTS, llm.encode(PROMPTS)):
+        hidden = _hf_hidden(llama_dir, prompt)
+        ref = hidden / hidden.norm(dim=-1, keepdim=True)
+        assert out.outputs.data.shape == ref.shape
+        assert (out.outputs.data - ref).abs().max() < TOL
+
+
+@pytest.mark.parametrize("runner", ["v1", "v2"])
+def test_score_on_a_classifier_classifies_the_pair(seq_dir, runner):
+    from transformers import LlamaForSequenceClassification
+
+    hf = hf_oracle(LlamaForSequenceClassification.from_pretrained(seq_dir), torch.float64)
+    llm = _llm(seq_dir, runner, "score")
+    scores = llm.score(PROMPTS[0], [PROMPTS[1], PROMPTS[3]])
+    for b, score in zip([PROMPTS[1], PROMPTS[3]], scores):
+        with torch.no_grad():
+            ref = torch.softmax(hf(torch.tensor([PROMPTS[0] + b])).logits[0], -1)
+        assert (score.outputs.data - ref).abs().max() < TOL
