@@ -116,13 +116,39 @@ def resolve_pooler(task: str | None, pooler_config: PoolerConfig | None,
     else:
         # transformers' *ForSequenceClassification pools at the last token; MEAN or CLS on
         # such a model departs from how its head was trained (allowed, as in vLLM).
-        pooling_type = user.pooling_type or "LAST"
+        pooling_type = user.pooling_type or model_pooling_type(model) or "LAST"
     return PoolerSettings(
         task=task, pooling_type=pooling_type,
         normalize=None if classifies else _default(user.normalize),
         use_activation=_default(user.use_activation) if classifies else None,
         head=head, num_labels=_num_labels(model, head),
     )
+
+
+# sentence-transformers' pooling modes (1_Pooling/config.json) -> ours
+_ST_MODES = (("pooling_mode_lasttoken", "LAST"), ("pooling_mode_mean_tokens", "MEAN"),
+             ("pooling_mode_cls_token", "CLS"))
+
+
+def model_pooling_type(model: Any) -> str | None:
+    """The pooling the checkpoint declares: a sentence-transformers model directory's
+    1_Pooling/config.json (the one mode set among last-token, mean and CLS); None when it
+    declares none (then the task's default applies). pooler_config overrides it."""
+    import json
+    import os
+
+    model_dir = getattr(model, "model_dir", None)
+    path = os.path.join(model_dir, "1_Pooling", "config.json") if model_dir else None
+    if path is None or not os.path.isfile(path):
+        return None
+    with open(path) as f:
+        modes = json.load(f)
+    found = [ours for key, ours in _ST_MODES if modes.get(key)]
+    if len(found) != 1:
+        raise ValueError(
+            f"{path} sets the pooling modes {found or 'none of last-token, mean, CLS'}; "
+            "runnerlab needs exactly one of them: set pooler_config={'pooling_type': ...}")
+    return found[0]
 
 
 def _default(value: bool | None) -> bool:

@@ -396,3 +396,25 @@ def test_engine_config_dump_carries_the_pooler():
     dump = config.model_dump()
     assert dump["pooling_task"] == "token_embed"
     assert dump["pooler_config"]["pooling_type"] == "ALL"
+
+
+def test_the_checkpoints_own_pooling_mode_is_the_default(tmp_path):
+    """A sentence-transformers directory's 1_Pooling/config.json sets the default pooling
+    type; pooler_config overrides it; an ambiguous file is refused."""
+    import json
+    import types
+
+    from policy.pooling import PoolerConfig, resolve_pooler
+
+    (tmp_path / "1_Pooling").mkdir()
+    cfg = tmp_path / "1_Pooling" / "config.json"
+    model = types.SimpleNamespace(architecture="LlamaForCausalLM", hf_config=None,
+                                  model_dir=str(tmp_path))
+    cfg.write_text(json.dumps({"pooling_mode_mean_tokens": True, "pooling_mode_cls_token": False}))
+    assert resolve_pooler("embed", None, model).pooling_type == "MEAN"
+    assert resolve_pooler("embed", PoolerConfig(pooling_type="CLS"), model).pooling_type == "CLS"
+    cfg.write_text(json.dumps({"pooling_mode_mean_tokens": True, "pooling_mode_cls_token": True}))
+    with pytest.raises(ValueError, match="exactly one"):
+        resolve_pooler("embed", None, model)
+    model.model_dir = None
+    assert resolve_pooler("embed", None, model).pooling_type == "LAST"
