@@ -18,9 +18,7 @@ import argparse
 import gc
 import json
 import random
-import time
 
-import numpy as np
 import torch
 
 
@@ -48,30 +46,9 @@ def mix_params(batch: int, vocab: int, steps: int, builtins: bool, seed: int = 0
 
 
 def run(engine, params, prompt_len: int, warmup: int, steps: int) -> dict:
-    from shared.harness.measure import StepSamples
+    from shared.harness.measure import run_decode
 
-    rng = np.random.default_rng(0)
-    ids = [f"r{i}" for i in range(len(params))]
-    for rid, p in zip(ids, params):
-        engine.add_request(rid, rng.integers(1, min(10000, engine.vocab_size), prompt_len).tolist(), p)
-    started: set[str] = set()
-    while len(started) < len(ids):  # prefill until every request decodes
-        for out in engine.step():
-            if out.outputs[0].token_ids:
-                started.add(out.request_id)
-    engine.stream_outputs = False
-    for _ in range(warmup):
-        engine.step()
-    samples = StepSamples()
-    for _ in range(steps):
-        t0 = time.perf_counter()
-        engine.step()
-        samples.add(engine, (time.perf_counter() - t0) * 1e3)
-    engine.abort_request(ids)
-    while engine.has_unfinished_requests():
-        engine.step()
-    engine.step()
-    engine.stream_outputs = True
+    samples, _, _ = run_decode(engine, len(params), prompt_len, warmup, steps, params=params)
     s = samples.summary()
     med = lambda key: s.get(key, {}).get("median")  # noqa: E731
     step_gpu, fwd_gpu = med("step_gpu_ms"), med("forward_gpu_ms")
@@ -110,6 +87,7 @@ def main() -> None:
     args = ap.parse_args()
 
     from policy import EngineArgs
+    from shared.harness.measure import decode_max_tokens
     from shared.serving.engine import LLMEngine
 
     report = {"args": vars(args), "device": torch.cuda.get_device_name()
@@ -124,8 +102,8 @@ def main() -> None:
         engine = LLMEngine.from_engine_args(EngineArgs(**kw))
         cases = {}
         for name, builtins in (("none", False), ("mix", True), ("none_again", False)):
-            params = mix_params(args.batch, engine.vocab_size, 2 * (args.warmup + args.steps),
-                                builtins)
+            params = mix_params(args.batch, engine.vocab_size,
+                                decode_max_tokens(args.warmup, args.steps), builtins)
             cases[name] = run(engine, params, args.prompt_len, args.warmup, args.steps)
         none, mix = cases["none"], cases["mix"]
         cost = {}

@@ -167,14 +167,19 @@ def decode_max_tokens(warmup: int, steps: int) -> int:
 
 def run_decode(
     engine: LLMEngine, batch: int, prompt_len: int, warmup: int, steps: int, seed: int = 0,
-    tag: str = "d",
+    tag: str = "d", params: list[SamplingParams] | None = None,
 ) -> tuple[StepSamples, float, dict[str, list[int]]]:
     """`batch` requests prefill, then decode together; measures `steps` decode steps
-    after `warmup` and returns (samples, unsynchronised steady-state ms/step, tokens)."""
-    params = SamplingParams(max_tokens=decode_max_tokens(warmup, steps), temperature=0.0, ignore_eos=True)
+    after `warmup` and returns (samples, unsynchronised steady-state ms/step, tokens).
+    params: one SamplingParams per request (each with max_tokens >= decode_max_tokens);
+    default greedy."""
+    if params is None:
+        params = [SamplingParams(max_tokens=decode_max_tokens(warmup, steps), temperature=0.0,
+                                 ignore_eos=True)] * batch
     ids = [f"{tag}{i}" for i in range(batch)]
-    for req_id, prompt in zip(ids, decode_prompts(batch, prompt_len, engine.vocab_size, seed)):
-        engine.add_request(req_id, prompt, params)
+    prompts = decode_prompts(batch, prompt_len, engine.vocab_size, seed)
+    for req_id, prompt, p in zip(ids, prompts, params, strict=True):
+        engine.add_request(req_id, prompt, p)
     tokens: dict[str, list[int]] = {}
     # prefill until every request is decoding
     while any(len(tokens.get(r, [])) == 0 for r in ids):

@@ -139,6 +139,12 @@ class LLM(PoolingAPI):
                     f"got {len(params_list)} SamplingParams for {len(prompts)} prompts; pass one "
                     "SamplingParams, or one per prompt"
                 )
+        return self._run(self._add_all(prompts, params_list), prompts, use_tqdm)
+
+    def _add_all(self, prompts: Sequence[Any], params_list: Sequence[Any]) -> list[str]:
+        """Queue every prompt with its params (SamplingParams, or PoolingParams on a
+        pooling engine); -> the request ids. One bad prompt refuses the whole call: the
+        ones already queued would otherwise run on, unseen, inside the next call."""
         request_ids: list[str] = []
         try:
             for prompt, params in zip(prompts, params_list):
@@ -147,11 +153,9 @@ class LLM(PoolingAPI):
                 self.engine.add_request(request_id, self._tokenize(prompt), params)
                 request_ids.append(request_id)
         except Exception:
-            # One bad prompt refuses the whole call: the ones already queued would
-            # otherwise run on, unseen, inside the next generate().
             self.engine.abort_request(request_ids)
             raise
-        return self._run(request_ids, prompts, use_tqdm)
+        return request_ids
 
     def _tokenize(self, prompt: str | list[Any]) -> list[Any]:
         if isinstance(prompt, str):

@@ -18,7 +18,7 @@ from shared.contract.pooling import (
 
 
 class PoolingAPI:
-    """Mixed into LLM; uses its engine, _tokenize and _counter."""
+    """Mixed into LLM; uses its engine, _tokenize, _add_all and _run."""
 
     engine: Any
 
@@ -90,14 +90,4 @@ class PoolingAPI:
 
     def _run_pooling(self, prompts: Sequence[Any], params: Sequence[PoolingParams],
                      use_tqdm: bool) -> list[PoolingRequestOutput]:
-        request_ids: list[str] = []
-        try:
-            for prompt, p in zip(prompts, params):
-                request_id = str(self._counter)
-                self._counter += 1
-                self.engine.add_request(request_id, self._tokenize(prompt), p)
-                request_ids.append(request_id)
-        except Exception:
-            self.engine.abort_request(request_ids)
-            raise
-        return self._run(request_ids, prompts, use_tqdm)
+        return self._run(self._add_all(prompts, params), prompts, use_tqdm)

@@ -16,7 +16,6 @@ import pytest
 import torch
 
 from policy import features
-from policy.config import EngineConfig
 from shared.harness import embed_workload
 from shared.harness.ab import ab_main
 from shared.harness.chart import build_figure
@@ -29,10 +28,6 @@ from tests.shared.harness.test_ab_cli import (  # (a name pytest does not collec
 )
 
 ON_CPU = not torch.cuda.is_available()
-POOLER_READY = "pooler_config" in {f.name for f in dataclasses.fields(EngineConfig)}
-needs_pooling_engine = pytest.mark.skipif(not POOLER_READY, reason=(
-    "needs EngineConfig.pooler_config (the policy's pooler settings, the policy side of "
-    "issue 24), not on this branch yet: without it no pooling engine can be built"))
 RATE_KEYS = ("seconds", "steps", "embeddings_per_s", "prompt_tokens_per_s")
 
 
@@ -58,12 +53,9 @@ def _tiny_llama_params() -> tuple[int, int]:
 @pytest.fixture(scope="module")
 def default_run(tmp_path_factory):
     """`runnerlab ab --workloads embed` with the CPU defaults."""
-    if not POOLER_READY:
-        pytest.skip(needs_pooling_engine.kwargs["reason"])
     return _run(tmp_path_factory.mktemp("ab-embed"), "--workloads", "embed")
 
 
-@needs_pooling_engine
 @pytest.mark.skipif(not ON_CPU, reason="the CPU default sizes")
 def test_the_default_run_writes_the_embed_entry(default_run) -> None:
     rc, report, text = default_run
@@ -90,7 +82,6 @@ def test_the_default_run_writes_the_embed_entry(default_run) -> None:
     assert "engines: V1 sync loop, graphs NONE; V2 sync loop, graphs NONE" in text
 
 
-@needs_pooling_engine
 def test_each_runners_rates_follow_from_its_times(default_run) -> None:
     _, report, _ = default_run
     [entry] = report["workloads"]["embed"]
@@ -108,7 +99,6 @@ def test_each_runners_rates_follow_from_its_times(default_run) -> None:
         assert st["steps"]["min"] >= 1
 
 
-@needs_pooling_engine
 def test_the_floor_is_prompt_tokens_times_twice_the_matmul_parameters(default_run) -> None:
     _, report, text = default_run
     [entry] = report["workloads"]["embed"]
@@ -128,7 +118,6 @@ def test_the_floor_is_prompt_tokens_times_twice_the_matmul_parameters(default_ru
     assert f"{f['embeddings_per_s']:,.1f} embeddings/s" in text
 
 
-@needs_pooling_engine
 def test_v1_and_v2_embeddings_agree_in_float32(default_run) -> None:
     _, report, text = default_run
     check = report["workloads"]["embed"][0]["agreement"]
@@ -138,7 +127,6 @@ def test_v1_and_v2_embeddings_agree_in_float32(default_run) -> None:
     assert "(float32: must be <= 1e-05): agree" in text
 
 
-@needs_pooling_engine
 def test_the_table_and_the_chart(default_run) -> None:
     _, report, text = default_run
     [entry] = report["workloads"]["embed"]
@@ -152,7 +140,6 @@ def test_the_table_and_the_chart(default_run) -> None:
     assert floor_line.get_segments()[0][0][1] == pytest.approx(entry["floor"]["embeddings_per_s"])
 
 
-@needs_pooling_engine
 def test_embeddings_that_differ_fail_the_run(tmp_path, monkeypatch) -> None:
     """V2's timed embeddings shifted by 1e-3: the run fails like a token mismatch."""
     real = embed_workload.embed_run
@@ -173,7 +160,6 @@ def test_embeddings_that_differ_fail_the_run(tmp_path, monkeypatch) -> None:
     assert "DIFFER" in text
 
 
-@needs_pooling_engine
 def test_embed_beside_another_workload_runs_after_its_engines(tmp_path) -> None:
     rc, report, text = _run(tmp_path, "--quick", "--repeats", "1", "--workloads", "churn,embed",
                             "--pooler-config", '{"pooling_type": "MEAN"}')
@@ -214,7 +200,6 @@ def test_refused_flags_are_one_line_with_exit_2(argv, expected, tmp_path, capsys
     refused_in_one_line(argv, expected, tmp_path, capsys)
 
 
-@needs_pooling_engine
 def test_a_pooler_config_without_the_embed_workload_is_refused(tmp_path, capsys) -> None:
     rc = cli_main(["ab", "--workloads", "churn", "--pooler-config", '{"pooling_type": "MEAN"}',
                    "--output-dir", str(tmp_path / "out")])
@@ -233,7 +218,6 @@ def v2_cannot_embed(monkeypatch):
     monkeypatch.setattr(features, "FEATURES", table)
 
 
-@needs_pooling_engine
 def test_a_runner_the_policy_refuses_to_embed_is_named_before_measuring(
         v2_cannot_embed, tmp_path, capsys) -> None:
     rc = cli_main(["ab", "--workloads", "embed", "--output-dir", str(tmp_path / "out")])
