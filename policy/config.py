@@ -84,6 +84,9 @@ class ParallelConfig(BaseModel):
     model_config = _FROZEN
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
+    # How long rank 0 waits on a collective or a worker before it raises (a dead or hung
+    # worker must not hang the engine).
+    distributed_timeout_s: float = 120.0
 
 
 @dataclass(frozen=True, config=ConfigDict(arbitrary_types_allowed=True))

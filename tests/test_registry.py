@@ -2,7 +2,7 @@
 DESIGN.md §1 holds: policy <- shared <- runner_v1, runner_v2, with shared's layers in
 the order docs/ARCHITECTURE.md gives:
 
-    policy <- shared.contract <- shared.runtime, .model, .attention, .sampling
+    policy <- shared.contract <- shared.runtime, .model, .attention, .sampling, .distributed
            <- runner_v1, runner_v2 <- shared.serving <- shared.harness (and `shared` itself)
 
 - a module imports only from its own layer or the layers below it;
@@ -115,6 +115,7 @@ LAYERS = {
     "policy": 0,
     "shared.contract": 1,
     "shared.runtime": 2, "shared.model": 2, "shared.attention": 2, "shared.sampling": 2,
+    "shared.distributed": 2,
     "runner_v1": 3, "runner_v2": 3,
     "shared.serving": 4,
     "shared.harness": 5, "shared": 5,  # `shared` itself: the public facade (LLM, ...)
