@@ -20,6 +20,7 @@ from policy.errors import field_error as _fail
 from policy.kernel_options import KernelOptions
 from policy.logits_processors import LogitsProcessorSpec
 from policy.model_config import ModelConfig, WeightSource
+from policy.parallel import ParallelConfig, resolve_parallel  # noqa: F401 (re-export)
 from policy.pooling import PoolerSettings
 from policy.selection import RunnerDecision
 from policy.speculative import SpeculativeConfig, SpeculativeSettings  # noqa: F401 (re-export)
@@ -34,6 +35,13 @@ def cuda_available() -> bool:
     import torch
 
     return torch.cuda.is_available()
+
+
+def visible_cuda_devices() -> int:
+    """torch.cuda.device_count(), imported lazily like cuda_available."""
+    import torch
+
+    return torch.cuda.device_count()
 
 
 class DeviceConfig(BaseModel):
@@ -78,15 +86,6 @@ class CompilationConfig(BaseModel):
     @property
     def max_capture_size(self) -> int:
         return self.cudagraph_capture_sizes[-1] if self.cudagraph_capture_sizes else 0
-
-
-class ParallelConfig(BaseModel):
-    model_config = _FROZEN
-    tensor_parallel_size: int = 1
-    pipeline_parallel_size: int = 1
-    # How long rank 0 waits on a collective or a worker before it raises (a dead or hung
-    # worker must not hang the engine).
-    distributed_timeout_s: float = 120.0
 
 
 @dataclass(frozen=True, config=ConfigDict(arbitrary_types_allowed=True))
@@ -199,17 +198,6 @@ def resolve_scheduler(device: str, max_model_len: int, max_num_seqs: int | None,
                            max_model_len=max_model_len,
                            enable_chunked_prefill=enable_chunked_prefill,
                            async_scheduling=async_scheduling)
-
-
-def resolve_parallel(tensor_parallel_size: int, pipeline_parallel_size: int) -> ParallelConfig:
-    # Sizes above 1 are features in the table (refused by both runners through the gate, with
-    # a message naming the field); sizes below 1 are plain mistakes.
-    for name, value in (("tensor_parallel_size", tensor_parallel_size),
-                        ("pipeline_parallel_size", pipeline_parallel_size)):
-        if value < 1:
-            raise _fail(name, value, "1 (only single-GPU runs are supported)")
-    return ParallelConfig(tensor_parallel_size=tensor_parallel_size,
-                          pipeline_parallel_size=pipeline_parallel_size)
 
 
 def default_capture_sizes(max_size: int) -> list[int]:

@@ -83,7 +83,12 @@ class EngineArgs(BaseModel):
         "auto", description="auto: RUNNERLAB_ATTENTION_BACKEND, else TRITON on CUDA, TORCH on "
                             "CPU; NULL: benchmarks only, attention launches nothing and the "
                             "tokens are meaningless")
-    tensor_parallel_size: int = Field(1, description="only 1 is supported")
+    tensor_parallel_size: int = Field(
+        1, description="shard the model over this many ranks (torch.distributed: NCCL on "
+                       "CUDA, gloo on CPU); rank 0 spawns the others, or joins torchrun's")
+    distributed_timeout_s: float = Field(
+        120.0, description="tensor parallelism: seconds rank 0 waits on a worker or a "
+                           "collective before it raises")
     pipeline_parallel_size: int = Field(1, description="only 1 is supported")
     # Feature fields the selection gate reads: each is honoured by the runners the feature
     # table (policy.features) names and refused by name by the others, never ignored.
@@ -141,7 +146,10 @@ class EngineArgs(BaseModel):
         scheduler = resolve_scheduler(device, model.max_model_len, self.max_num_seqs,
                                       self.max_num_batched_tokens, self.enable_chunked_prefill,
                                       self.async_scheduling)
-        parallel = resolve_parallel(self.tensor_parallel_size, self.pipeline_parallel_size)
+        parallel = resolve_parallel(
+            self.tensor_parallel_size, self.pipeline_parallel_size, model=model, device=device,
+            visible_devices=config_module.visible_cuda_devices() if strict and device == "cuda" else None,
+            distributed_timeout_s=self.distributed_timeout_s)
         speculative = resolve_speculative(self.speculative_config, model, device,
                                           self.load_format)
         processors = resolve_logits_processors(list(self.logits_processors))

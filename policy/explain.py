@@ -63,6 +63,7 @@ def explain_report(config: EngineConfig, blockers: list[str]) -> dict[str, Any]:
         "attention_backend_source": config.attention_backend_source,
         "load_format": config.load_config.load_format,
         "weight_source": config.load_config.weight_source,
+        "tensor_parallel_size": config.parallel_config.tensor_parallel_size,
     }
     spec = config.speculative_config
     report["speculative_config"] = None if spec is None else _speculative_report(spec)

@@ -142,9 +142,10 @@ FEATURES: tuple[Feature, ...] = (
         "device, accepted counts read on the device) schedules ahead of them",
     ),
     Feature(
-        "tensor parallelism > 1", UNSUPPORTED, UNSUPPORTED, "tensor_parallel_size=1",
+        "tensor parallelism > 1", SUPPORTED, SUPPORTED, "tensor_parallel_size=1",
         lambda s: s["tensor_parallel_size"] > 1,
-        "both runners",
+        "both runners, on torch.distributed (shared/distributed); V1's rank 0 samples and "
+        "broadcasts the tokens, every V2 rank samples the same tokens itself",
     ),
     Feature(
         "pipeline parallelism > 1", UNSUPPORTED, UNSUPPORTED, "pipeline_parallel_size=1",

@@ -37,8 +37,10 @@ from runner_v1.spec_decode.metadata import (
 )
 from runner_v1.spec_decode.rejection_sampler import RejectionOutput
 from runner_v1.spec_decode.speculator import V1Speculator
+from runner_v1.tp_sampling import RankZeroSampling
 from shared.contract.sampler_output import SamplerOutput
 from shared.contract.step import ModelRunnerOutput, SchedulerOutput
+from shared.distributed.group import current_tp_group
 from shared.runtime.async_output import (
     AsyncModelRunnerOutput,
     PinnedOutputRing,
@@ -92,6 +94,8 @@ class GPUModelRunner(RunnerSetupMixin):
             BatchProcessorContext(self.max_num_reqs, config.model_config.vocab_size, device),
         )
         self.sampler = Sampler(self.logits_processors)
+        # tensor parallelism: the sampler runs on rank 0 only (runner_v1/tp_sampling.py)
+        self.tp_sampling = RankZeroSampling(current_tp_group(), device)
         self.timer = StageTimer("runner_v1", use_cuda_events=device.type == "cuda")
         self.graphs = V1CudaGraphs(
             config, device, self.executor, self.buffers, self.persistent_batch
@@ -214,7 +218,8 @@ class GPUModelRunner(RunnerSetupMixin):
                 # it (greedy rows have none: not gathered when every row is greedy)
                 positions = (None if state.sampling_metadata.all_greedy
                              else inputs.positions[inputs.logits_indices])
-                sampler_output = self.sampler(logits, state.sampling_metadata, positions)
+                sampler_output = self.tp_sampling.run(
+                    lambda: self.sampler(logits, state.sampling_metadata, positions))
                 prompt_lps = compute_prompt_logprobs_v1(
                     self.prompt_logprobs_reqs, self.persistent_batch, inputs,
                     state.hidden_states, self.executor)
@@ -231,8 +236,8 @@ class GPUModelRunner(RunnerSetupMixin):
         md = state.spec
         logits = self.executor.compute_logits(state.hidden_states[md.logits_indices])
         positions = state.inputs.positions[md.logits_indices]
-        return self.speculator.sample(logits, state.sampling_metadata, positions, md,
-                                      state.req_ids)
+        return self.tp_sampling.run(lambda: self.speculator.sample(
+            logits, state.sampling_metadata, positions, md, state.req_ids))
 
     def _spec_bookkeeping(self, state: _ExecuteState, out: RejectionOutput) -> ModelRunnerOutput:
         """The accepted runs into the batch and the requests (synchronous: see

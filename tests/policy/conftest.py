@@ -15,8 +15,10 @@ def clean_env(monkeypatch):
 
 @pytest.fixture
 def fake_cuda(monkeypatch):
-    """Pretend a CUDA GPU is visible: the policy only asks `cuda_available()`."""
+    """Pretend CUDA GPUs are visible: the policy only asks `cuda_available()` and (for
+    tensor parallelism) `visible_cuda_devices()`."""
     monkeypatch.setattr(config_module, "cuda_available", lambda: True)
+    monkeypatch.setattr(config_module, "visible_cuda_devices", lambda: 8)
 
 
 @pytest.fixture

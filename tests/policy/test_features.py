@@ -47,7 +47,7 @@ SUPPORTED_BY = {
     # planned before they land; V1 proposes from the host token table after the sync
     "async scheduling with speculative decoding": {"v2"},
     # one process, one device: no parallelism on either runner
-    "tensor parallelism > 1": set(),
+    "tensor parallelism > 1": {"v1", "v2"},
     "pipeline parallelism > 1": set(),
 }
 
