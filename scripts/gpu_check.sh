@@ -2,7 +2,7 @@
 # The GPU machine's one entry point: install what the image lacks from carried wheels,
 # run the gpu-marked tests, run the benchmarks, write everything under $OUT.
 #
-#   scripts/gpu_check.sh [gemv|tune|tests|boundary|attention|decode|profile|ab|ab_async|ab_embed|builtins|hf|all]...
+#   scripts/gpu_check.sh [gemv|tune|tests|boundary|attention|decode|profile|ab|ab_async|ab_embed|builtins|sample_host|hf|all]...
 #
 # Stages run in the order of this file, whatever the order of the arguments. gemv and tune
 # write a GEMV launch table to $OUT/gemv_configs.json (gemv per shape, tune llama-3-8b's
@@ -88,6 +88,13 @@ if want builtins; then
   # the built-in logits processors' cost at batch 256, both runners in one process
   python3 scripts/bench_builtins.py --model llama-3-8b --batch 256 ${BUILTINS_ARGS:-} \
     --out "$OUT/builtins.json" 2>&1 | grep -v "^INFO" | tee "$OUT/builtins.log"
+fi
+if want sample_host; then
+  # issue 21: where the sample stage's host time goes, both runners, batch 1 and 256
+  for b in 1 256; do
+    python3 scripts/profile_sample_host.py --model qwen3-0.6b --batch $b \
+      --out "$OUT/sample_host_b$b.json" 2>&1 | grep -v "^INFO" | tee "$OUT/sample_host_b$b.txt"
+  done
 fi
 if want hf; then
   python3 scripts/hf_throughput.py --model qwen3-0.6b --device cuda --out "$OUT/hf_throughput.json" \

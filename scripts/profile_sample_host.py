@@ -34,7 +34,7 @@ def profile_runner(args: argparse.Namespace, runner: str) -> dict:
         model=args.model, load_format="dummy", dtype="bfloat16" if cuda else "float32",
         device=args.device, seed=0, model_runner=runner, max_num_seqs=max(8, args.batch),
         max_model_len=512, enable_prefix_caching=False, async_scheduling=args.async_scheduling,
-        num_gpu_blocks_override=args.batch * 8 + 16, max_num_batched_tokens=8192,
+        num_gpu_blocks_override=max(args.batch * 8, 32) + 16, max_num_batched_tokens=8192,
     ))
     params = SamplingParams(max_tokens=10_000, temperature=0.6, seed=0, ignore_eos=True)
     for i, prompt in enumerate(prompts):
