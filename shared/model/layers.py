@@ -1,6 +1,6 @@
-"""Building blocks shared by every model: linear layers with fused output shards, the
-vocabulary embedding, RMSNorm, rotary embedding (default / linear / llama3), SiLU-and-mul,
-config helpers, and the Hugging Face name -> fused parameter weight loader.
+"""Building blocks shared by every model: the replicated linear layer, RMSNorm, rotary
+embedding (default / linear / llama3), SiLU-and-mul, config helpers, and the Hugging Face
+name -> fused (and sharded) parameter weight loader.
 
 Parameters are allocated with `torch.empty` and left uninitialised: the loader fills them
 from a checkpoint or with seeded dummy values, so building a Llama-3-8B-sized model on a
@@ -18,6 +18,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from shared.model.kernels import fused_ops, gemv
+from shared.model.sharding import (
+    copy_logical_rows,
+    logical_rows,
+    row_width,
+    shard_spec,
+    zero_padding,
+)
 
 # ---------------------------------------------------------------------------------------
 # config helpers
@@ -49,11 +56,20 @@ def check_no_sliding_window(cfg) -> None:
 
 
 # ---------------------------------------------------------------------------------------
-# linear layers and embedding
+# the replicated linear layer
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x W^T (+ b): the GEMV kernel for a small batch on CUDA (e.g. the LM head at batch 1),
+    else F.linear."""
+    if x.dim() == 2 and x.stride(-1) == 1 and x.dtype == weight.dtype and gemv.use_gemv(x):
+        return gemv.gemv(x, weight, bias)
+    return F.linear(x, weight, bias)
 
 
 class Linear(nn.Module):
-    """y = x W^T (+ b), weight [out, in], allocated uninitialised."""
+    """y = x W^T (+ b), weight [out, in], allocated uninitialised. Replicated: every rank
+    holds all of it (the tensor-parallel layers are in shared/model/parallel_layers.py)."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False):
         super().__init__()
@@ -63,33 +79,7 @@ class Linear(nn.Module):
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dim() == 2 and x.stride(-1) == 1 and x.dtype == self.weight.dtype and gemv.use_gemv(x):
-            return gemv.gemv(x, self.weight, self.bias)  # batch-1 decode (e.g. the LM head)
-        return F.linear(x, self.weight, self.bias)
-
-
-class MergedLinear(Linear):
-    """Several projections of the same input in one matmul (q|k|v, or gate|up).
-
-    Checkpoints store the parts separately; `shard_rows(i)` says which output rows of the
-    fused weight (and bias) part i occupies."""
-
-    def __init__(self, in_features: int, output_sizes: list[int], bias: bool = False):
-        super().__init__(in_features, sum(output_sizes), bias)
-        self.output_sizes = list(output_sizes)
-
-    def shard_rows(self, shard: int) -> slice:
-        start = sum(self.output_sizes[:shard])
-        return slice(start, start + self.output_sizes[shard])
-
-
-class VocabEmbedding(nn.Module):
-    def __init__(self, num_embeddings: int, embedding_dim: int):
-        super().__init__()
-        self.weight = nn.Parameter(torch.empty(num_embeddings, embedding_dim), requires_grad=False)
-
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return F.embedding(input_ids, self.weight)
+        return linear(x, self.weight, self.bias)
 
 
 # ---------------------------------------------------------------------------------------
@@ -249,7 +239,7 @@ def make_rope(cfg) -> RotaryEmbedding:
 # ---------------------------------------------------------------------------------------
 # weight loading: Hugging Face names -> fused parameters
 
-# Checkpoint projection -> (fused parameter, shard index in MergedLinear.output_sizes)
+# Checkpoint projection -> (fused parameter, part index in its total_output_sizes)
 STACKED_PARAMS = {
     "q_proj": ("qkv_proj", 0),
     "k_proj": ("qkv_proj", 1),
@@ -271,7 +261,8 @@ _EXPERT_KEY = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<expert>\d+)\.(?P<proj>\
 
 
 def _resolve(name: str, params: dict, modules: dict) -> tuple[str, tuple] | None:
-    """Map an (already renamed) checkpoint name to (parameter name, index into it)."""
+    """Map an (already renamed) checkpoint name to (parameter name, index into its LOGICAL
+    single-GPU tensor); the parameter's shard spec then picks this rank's part."""
     if name in params:
         return name, ()
     m = _EXPERT_KEY.match(name)
@@ -301,10 +292,14 @@ def load_hf_weights(
 ) -> None:
     """Copy checkpoint tensors into `model`, fusing q/k/v, gate/up and per-expert tensors.
 
+    Each tensor arrives whole on the CPU; only this rank's rows / columns of it are copied
+    into the local parameter (shared/model/sharding.py), and vocab padding rows are zero.
     `rename` maps a checkpoint name to the model's naming, or None to skip it (e.g. a tied
     lm_head). Raises on an unknown name, a shape mismatch, or a parameter left unloaded."""
     params = dict(model.named_parameters())
     modules = dict(model.named_modules())
+    for param in params.values():
+        zero_padding(param.data, shard_spec(param))
     loaded: set[str] = set()
     for hf_name, tensor in weights:
         name = rename(hf_name)
@@ -316,13 +311,15 @@ def load_hf_weights(
                 f"checkpoint tensor {hf_name!r} matches no parameter of {type(model).__name__}"
             )
         target, index = resolved
-        dst = params[target].data[index]
-        if tuple(dst.shape) != tuple(tensor.shape):
+        spec = shard_spec(params[target])
+        start, _, expected = logical_rows(spec.logical_shape, index)
+        if tuple(tensor.shape) != expected:
             raise ValueError(
                 f"checkpoint tensor {hf_name!r} has shape {tuple(tensor.shape)}; "
-                f"{target}{list(index) if index else ''} expects {tuple(dst.shape)}"
+                f"{target}{list(index) if index else ''} expects {expected}"
             )
-        dst.copy_(tensor)
+        rows = tensor.reshape(-1, row_width(spec.logical_shape))
+        copy_logical_rows(params[target].data, spec, start, rows)
         loaded.add(target)
     missing = sorted(set(params) - loaded)
     if missing:

@@ -4,6 +4,11 @@ Qwen3ForCausalLM (per-head RMSNorm on q and k before RoPE).
 One flat ragged batch per forward: input_ids [T], positions [T] -> hidden [T, hidden].
 Attention metadata (which tokens belong to which request, where the KV goes) comes from
 the forward context, read by each layer's `Attention` module.
+
+Tensor parallel (the model built inside `building_for(group)`): each rank runs its heads
+and its slice of the MLP (shared/model/parallel_layers.py); o_proj and down_proj sum the
+ranks' partial products (all_reduce), so the residual stream, the norms and the final
+hidden states are the same on every rank, and the LM head gathers the full logits.
 """
 
 from __future__ import annotations
@@ -16,39 +21,51 @@ from torch import nn
 from shared.attention.layer import Attention
 from shared.model.kernels import fused_ops, gemv
 from shared.model.layers import (
-    Linear,
-    MergedLinear,
     RMSNorm,
     RotaryEmbedding,
     SiluAndMul,
-    VocabEmbedding,
     check_no_sliding_window,
     check_silu,
     get_head_dim,
     load_hf_weights,
     make_rope,
 )
+from shared.model.parallel_layers import (
+    MergedColumnParallelLinear,
+    ParallelLMHead,
+    QKVParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+)
 
 
 class LlamaMLP(nn.Module):
-    """down(silu(gate(x)) * up(x)) with gate and up fused into one matmul."""
+    """down(silu(gate(x)) * up(x)) with gate and up fused into one matmul. Tensor
+    parallel: gate|up column-parallel, down row-parallel (one all_reduce, or none with
+    reduce_results=False: the caller sums it with other partial results first).
+    `what` names the config field of the intermediate size in a divisibility error."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False):
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False, *,
+                 what: str = "intermediate_size", reduce_results: bool = True):
         super().__init__()
-        self.gate_up_proj = MergedLinear(hidden_size, [intermediate_size] * 2, bias=bias)
+        self.gate_up_proj = MergedColumnParallelLinear(
+            hidden_size, [intermediate_size] * 2, bias=bias, what=what)
         self.act_fn = SiluAndMul()
-        self.down_proj = Linear(intermediate_size, hidden_size, bias=bias)
+        self.down_proj = RowParallelLinear(
+            intermediate_size, hidden_size, bias=bias, what=what, reduce_results=reduce_results)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act_fn(self.gate_up_proj(x)))
 
     def forward_gemv(self, stream: torch.Tensor, norm: RMSNorm) -> torch.Tensor:
-        """Small-batch path, two launches: norm + gate_up + SiLU-and-mul, then down + the
-        residual add. Takes the residual stream, returns the stream after the MLP."""
-        gate_up, down = self.gate_up_proj, self.down_proj
+        """Small-batch path, two launches: norm + gate_up + SiLU-and-mul (per rank: the
+        rank's gate and up rows), then down + the residual add (distributed: the partial
+        down is all-reduced before the add). Takes the residual stream, returns the
+        stream after the MLP."""
+        gate_up = self.gate_up_proj
         act = gemv.gemv(stream, gate_up.weight, gate_up.bias, norm_weight=norm.weight,
                         eps=norm.eps, epilogue="silu")
-        return gemv.gemv(act, down.weight, down.bias, epilogue="residual", residual=stream)
+        return self.down_proj.forward_gemv_residual(act, stream)
 
 
 class LlamaAttention(nn.Module):
@@ -62,15 +79,18 @@ class LlamaAttention(nn.Module):
         qk_norm: bool = False,
     ):
         super().__init__()
-        self.num_heads = cfg.num_attention_heads
-        self.num_kv_heads = getattr(cfg, "num_key_value_heads", None) or self.num_heads
+        total_heads = cfg.num_attention_heads
+        total_kv_heads = getattr(cfg, "num_key_value_heads", None) or total_heads
         self.head_dim = get_head_dim(cfg)
+        self.qkv_proj = QKVParallelLinear(
+            cfg.hidden_size, self.head_dim, total_heads, total_kv_heads, bias=qkv_bias)
+        # This rank's heads (all of them in one process): everything below is per rank.
+        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.qkv_proj = MergedLinear(
-            cfg.hidden_size, [self.q_size, self.kv_size, self.kv_size], bias=qkv_bias
-        )
-        self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=o_bias)
+        self.o_proj = RowParallelLinear(
+            total_heads * self.head_dim, cfg.hidden_size, bias=o_bias,
+            what="num_attention_heads * head_dim")
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if qk_norm else None
         self.rotary_emb = rope  # one module shared by every layer (one cos/sin cache)
@@ -198,12 +218,11 @@ class LlamaDecoderLayer(nn.Module):
     def _post_attention_gemv(
         self, attn_output: torch.Tensor, residual: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Small batch: o_proj adds the residual in its epilogue; a dense MLP then runs as
+        """Small batch: o_proj adds the residual in its epilogue (distributed: after the
+        all_reduce of its partial product); a dense MLP then runs as
         two fused GEMVs and returns the finished stream with no pending residual (None),
         which is what the next layer's pre_attention (or the final norm) expects."""
-        o_proj = self.self_attn.o_proj
-        stream = gemv.gemv(attn_output, o_proj.weight, o_proj.bias, epilogue="residual",
-                           residual=residual)
+        stream = self.self_attn.o_proj.forward_gemv_residual(attn_output, residual)
         if isinstance(self.mlp, LlamaMLP):
             return self.mlp.forward_gemv(stream, self.post_attention_layernorm), None
         return self.mlp(self.post_attention_layernorm(stream)), stream  # MoE
@@ -212,7 +231,7 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     def __init__(self, cfg, make_layer: Callable[[int, str], LlamaDecoderLayer]):
         super().__init__()
-        self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(
             make_layer(i, f"model.layers.{i}") for i in range(cfg.num_hidden_layers)
         )
@@ -303,7 +322,7 @@ class LlamaForCausalLM(nn.Module):
         (shared/model/pooling_models.py) build their score head here instead, so that no
         vocab-sized matrix is ever allocated for them."""
         self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", False))
-        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size)
+        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size)
         if self.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
@@ -339,7 +358,7 @@ class LlamaForCausalLM(nn.Module):
         return self.model.forward_piecewise_eager(input_ids, positions)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """[N, hidden] -> [N, vocab] in the model dtype."""
+        """[N, hidden] -> [N, vocab] in the model dtype (the full vocab on every rank)."""
         return self.lm_head(hidden_states)
 
     def attention_layers(self) -> dict[str, Attention]:

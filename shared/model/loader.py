@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import math
 import os
 from collections.abc import Iterator
 
@@ -18,6 +19,13 @@ from torch import nn
 
 from shared.model.layers import RMSNorm
 from shared.model.registry import get_model_class, resolve_architecture
+from shared.model.sharding import (
+    ShardSpec,
+    copy_logical_rows,
+    row_width,
+    shard_spec,
+    zero_padding,
+)
 
 logger = logging.getLogger("runnerlab")
 
@@ -91,31 +99,55 @@ def initialize_dummy_weights(model: nn.Module, seed: int) -> None:
 
     Values are drawn in float32 on the parameter's device with a torch.Generator (fast for
     an 8B model on a GPU), then cast: one seed gives the same model in float32 and float64
-    on one device type."""
+    on one device type.
+
+    Tensor parallel: each parameter's LOGICAL (single-GPU) values are drawn, in the same
+    order and chunks whatever the number of ranks, and each rank keeps its part of every
+    chunk (its shard spec), so rank r of N holds exactly its shard of the one-rank model;
+    fan_in is the logical last dim; vocab padding rows are zero."""
     norms = {f"{n}.weight" for n, m in model.named_modules() if isinstance(m, RMSNorm)}
     generators: dict[torch.device, torch.Generator] = {}
-    chunk = 1 << 24  # bounds the float32 scratch for the largest matrices
     for name, param in model.named_parameters():
         if name in norms:
             param.fill_(1.0)
             continue
-        if param.dim() == 1:
+        spec = shard_spec(param)
+        if len(spec.logical_shape) == 1:
             std = DUMMY_BIAS_STD
         else:
-            std = param.shape[-1] ** -0.5
+            std = spec.logical_shape[-1] ** -0.5
             if name.endswith(".o_proj.weight"):
                 std *= DUMMY_ATTN_OUT_SCALE
         gen = generators.get(param.device)
         if gen is None:
             gen = torch.Generator(device=param.device).manual_seed(seed)
             generators[param.device] = gen
-        flat = param.view(-1)
-        for start in range(0, flat.numel(), chunk):
-            part = flat[start : start + chunk]
-            noise = torch.randn(
-                part.numel(), generator=gen, dtype=torch.float32, device=param.device
-            )
-            part.copy_(noise.mul_(std))
+        zero_padding(param.data, spec)
+        _fill_logical(param.data, spec, gen, std)
+
+
+_DUMMY_CHUNK = 1 << 24  # bounds the float32 scratch for the largest matrices
+
+
+def _fill_logical(dst: torch.Tensor, spec: ShardSpec, gen: torch.Generator, std: float) -> None:
+    """Draw the logical tensor's values flat, in chunks of _DUMMY_CHUNK (the stream a
+    one-rank model has always drawn), and keep this rank's part of each chunk's whole
+    rows; a row cut by the chunk boundary waits for the next chunk (scratch: one chunk
+    plus less than a row)."""
+    width = row_width(spec.logical_shape)
+    numel = math.prod(spec.logical_shape)
+    pending = None
+    row = 0
+    for start in range(0, numel, _DUMMY_CHUNK):
+        noise = torch.randn(min(_DUMMY_CHUNK, numel - start), generator=gen,
+                            dtype=torch.float32, device=dst.device).mul_(std)
+        if pending is not None and pending.numel():
+            noise = torch.cat([pending, noise])
+        whole = noise.numel() // width * width
+        rows = noise[:whole].view(-1, width)
+        copy_logical_rows(dst, spec, row, rows)
+        row += rows.shape[0]
+        pending = noise[whole:]
 
 
 def load_model(

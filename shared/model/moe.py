@@ -2,6 +2,10 @@
 plus a shared expert scaled by a sigmoid gate).
 
 Expert weights are fused per layer: gate_up_proj [E, 2I, H] and down_proj [E, H, I].
+Tensor parallel: every rank holds every expert, split along its intermediate dimension
+(gate_up_proj [E, 2I/N, H]: the rank's gate rows then its up rows; down_proj [E, H, I/N]),
+so each rank's weighted sum is a partial sum, all-reduced once per layer; the router is
+replicated (the same routing on every rank).
 Two ways to run them, with the same arithmetic per token (expert output times routing
 weight, added to the token's sum in expert order):
 - `moe_sparse`: each expert runs only on the tokens routed to it. It reads the per-expert
@@ -18,8 +22,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from shared.distributed.group import current_tp_group
 from shared.model.layers import Linear, check_no_sliding_window, compute_dtype, silu_and_mul
 from shared.model.llama import LlamaForCausalLM, LlamaMLP
+from shared.model.sharding import ShardSpec, set_shard_spec
 
 
 def select_experts(
@@ -82,7 +88,10 @@ def moe_dense(
 
 
 class FusedMoE(nn.Module):
-    """The routed experts of one layer: router logits in, weighted expert sum out."""
+    """The routed experts of one layer: router logits in, weighted expert sum out (this
+    rank's slice of every expert; summed over the ranks unless reduce_results=False, for a
+    block that adds more partial sums first). `what` names the config field of the
+    intermediate size in a divisibility error."""
 
     def __init__(
         self,
@@ -91,29 +100,52 @@ class FusedMoE(nn.Module):
         hidden_size: int,
         intermediate_size: int,
         renormalize: bool,
+        *,
+        what: str = "intermediate_size",
+        reduce_results: bool = True,
     ):
         super().__init__()
+        tp = current_tp_group()
+        local = tp.shard(intermediate_size, what)
+        self.tp_group = tp
+        self.reduce_results = reduce_results
         self.num_experts = num_experts
         self.top_k = top_k
-        self.intermediate_size = intermediate_size
+        self.intermediate_size = local  # this rank's share
+        self.total_intermediate_size = intermediate_size
         self.renormalize = renormalize
         self.gate_up_proj = nn.Parameter(
-            torch.empty(num_experts, 2 * intermediate_size, hidden_size), requires_grad=False
+            torch.empty(num_experts, 2 * local, hidden_size), requires_grad=False
         )
         self.down_proj = nn.Parameter(
-            torch.empty(num_experts, hidden_size, intermediate_size), requires_grad=False
+            torch.empty(num_experts, hidden_size, local), requires_grad=False
         )
+        # Logical rows: gate_up [E*2I, H] (expert e: gate rows e*2I.., up rows e*2I + I..),
+        # down [E*H, I] with the rank's columns.
+        first = tp.rank * local
+        gate_up_rows = tuple(
+            (e * 2 * intermediate_size + half * intermediate_size + first,
+             e * 2 * intermediate_size + half * intermediate_size + first + local)
+            for e in range(num_experts) for half in (0, 1))
+        set_shard_spec(self.gate_up_proj, ShardSpec(
+            (num_experts, 2 * intermediate_size, hidden_size), gate_up_rows, (0, hidden_size)))
+        set_shard_spec(self.down_proj, ShardSpec(
+            (num_experts, hidden_size, intermediate_size), ((0, num_experts * hidden_size),),
+            (first, first + local)))
 
     def gate_up_rows(self, half: int) -> slice:
-        """Rows of gate_up_proj[e] holding the gate (half 0) or up (half 1) projection."""
-        return slice(half * self.intermediate_size, (half + 1) * self.intermediate_size)
+        """Rows of the LOGICAL gate_up_proj[e] holding the gate (half 0) or up (half 1)
+        projection: what a checkpoint's per-expert tensor fills."""
+        size = self.total_intermediate_size
+        return slice(half * size, (half + 1) * size)
 
     def forward(self, hidden_states: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         weights, ids = select_experts(
             router_logits, self.top_k, self.renormalize, hidden_states.dtype
         )
         run = moe_dense if hidden_states.is_cuda else moe_sparse
-        return run(hidden_states, self.gate_up_proj, self.down_proj, weights, ids)
+        out = run(hidden_states, self.gate_up_proj, self.down_proj, weights, ids)
+        return self.tp_group.all_reduce(out) if self.reduce_results else out
 
 
 class MixtralMoE(nn.Module):
@@ -135,21 +167,27 @@ class MixtralMoE(nn.Module):
 class Qwen2MoeSparseMoeBlock(nn.Module):
     def __init__(self, cfg):
         super().__init__()
+        self.tp_group = current_tp_group()
         self.gate = Linear(cfg.hidden_size, cfg.num_experts)
+        # Routed and shared expert both leave partial sums: one all_reduce for the block.
         self.experts = FusedMoE(
             cfg.num_experts,
             cfg.num_experts_per_tok,
             cfg.hidden_size,
             cfg.moe_intermediate_size,
             renormalize=bool(cfg.norm_topk_prob),
+            what="moe_intermediate_size",
+            reduce_results=False,
         )
-        self.shared_expert = LlamaMLP(cfg.hidden_size, cfg.shared_expert_intermediate_size)
-        self.shared_expert_gate = Linear(cfg.hidden_size, 1)
+        self.shared_expert = LlamaMLP(
+            cfg.hidden_size, cfg.shared_expert_intermediate_size,
+            what="shared_expert_intermediate_size", reduce_results=False)
+        self.shared_expert_gate = Linear(cfg.hidden_size, 1)  # replicated: a per-token scale
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         routed = self.experts(x, self.gate(x))
         shared = torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
-        return routed + shared
+        return self.tp_group.all_reduce(routed + shared)
 
 
 class MixtralForCausalLM(LlamaForCausalLM):

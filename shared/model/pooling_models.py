@@ -16,6 +16,9 @@ renaming stay the causal LM's own. forward() returns the final-normed hidden sta
 - token classification (GenericForTokenClassification): dropout, the identity at eval,
   then score = Linear(hidden, num_labels, bias=config.token_classification_bias, default
   True) on every token.
+
+Tensor parallel: the score head is a replicated Linear. The final hidden states are the
+same on every rank (the row-parallel layers all-reduce), so every rank scores alike.
 """
 
 from __future__ import annotations

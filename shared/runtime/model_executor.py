@@ -16,6 +16,7 @@ import torch
 
 from shared.attention.metadata import CommonAttentionMetadata
 from shared.attention.selector import get_attn_backend
+from shared.distributed.group import building_for, current_tp_group
 from shared.runtime.forward_context import set_forward_context
 
 if TYPE_CHECKING:
@@ -42,6 +43,10 @@ class ModelExecutor:
     def __init__(self, config: EngineConfig, device: torch.device):
         self.config = config
         self.device = device
+        # The tensor-parallel group this executor's model is built for: the group in force
+        # where the runner is constructed (SINGLE outside `building_for`). A draft
+        # executor built next to it picks up the same one.
+        self.tp_group = current_tp_group()
         mc = config.model_config
         self.dtype = torch_dtype(mc.dtype)
         self.block_size = config.cache_config.block_size
@@ -65,30 +70,33 @@ class ModelExecutor:
         mc = self.config.model_config
         source = self.config.load_config.weight_source  # "random" | "gguf" | "safetensors"
         start = time.perf_counter()
-        self.model = load_model(
-            mc.hf_config,
-            load_format="dummy" if source == "random" else "auto",
-            model_dir=mc.model_dir if source == "safetensors" else None,
-            gguf_path=mc.gguf_path if source == "gguf" else None,
-            dtype=self.dtype,
-            device=self.device,
-            seed=self.config.load_config.seed,
-        )
+        with building_for(self.tp_group):  # this rank's shard of every parallel layer
+            self.model = load_model(
+                mc.hf_config,
+                load_format="dummy" if source == "random" else "auto",
+                model_dir=mc.model_dir if source == "safetensors" else None,
+                gguf_path=mc.gguf_path if source == "gguf" else None,
+                dtype=self.dtype,
+                device=self.device,
+                seed=self.config.load_config.seed,
+            )
         self.attn_layers = dict(self.model.attention_layers())
         self.layer_names = list(self.attn_layers)
         for layer in self.attn_layers.values():
             layer.bind_backend(self.backend)
         nbytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        tp = self.tp_group
         logger.info(
-            "Loaded %s (%s, %s weights) in %.2f s: %.1f MB",
+            "Loaded %s (%s, %s weights) in %.2f s: %.1f MB%s",
             mc.architecture, mc.dtype, source,
             time.perf_counter() - start, nbytes / 1e6,
+            f" (tensor-parallel rank {tp.rank} of {tp.world_size})" if tp.distributed else "",
         )
 
     def weight_bytes(self, include_embedding: bool = False) -> int:
-        """Bytes of weights a decode step reads: everything but the input embedding (a
-        step gathers a few rows of it), unless the embedding is tied to the LM head, which
-        reads all of it."""
+        """Bytes of weights a decode step reads on this rank (its shards: the local
+        parameters): everything but the input embedding (a step gathers a few rows of it),
+        unless the embedding is tied to the LM head, which reads all of it."""
         tied = bool(getattr(self.model, "tie_word_embeddings", False))
         total = 0
         for name, p in self.model.named_parameters():
@@ -99,10 +107,11 @@ class ModelExecutor:
 
     # ---- KV cache -------------------------------------------------------------------
     def kv_bytes_per_block(self) -> int:
-        mc = self.config.model_config
+        """This rank's KV bytes per block (after load_model): its attention layers' local
+        KV heads, not the model config's total."""
         elem = torch.empty((), dtype=self.dtype).element_size()
-        per_layer = 2 * self.block_size * mc.num_kv_heads * mc.head_dim * elem
-        return per_layer * len(self.layer_names)
+        return sum(2 * self.block_size * layer.num_kv_heads * layer.head_dim * elem
+                   for layer in self.attn_layers.values())
 
     def determine_num_blocks(self, profile_fn, extra_bytes_per_block: int = 0) -> int:
         """From num_gpu_blocks_override, else from free memory on GPU (after a profile
@@ -134,10 +143,11 @@ class ModelExecutor:
         return max(1, min(wanted, _CPU_KV_BUDGET_BYTES // per_block))
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
-        mc = self.config.model_config
-        shape = self.backend.kv_cache_shape(num_blocks, self.block_size, mc.num_kv_heads, mc.head_dim)
         self.kv_caches = []
         for layer in self.attn_layers.values():
+            # the layer's own (local) KV heads: a tensor-parallel rank caches only its heads
+            shape = self.backend.kv_cache_shape(
+                num_blocks, self.block_size, layer.num_kv_heads, layer.head_dim)
             kv = torch.zeros(shape, dtype=self.dtype, device=self.device)
             layer.bind_kv_cache(kv)
             self.kv_caches.append(kv)
