@@ -2,12 +2,15 @@
 
     runnerlab diff [--model M] [--dtype float64] [--device cpu|cuda] [--scenarios a,b]
                    [--seeds 0,1] [--engines v1,v2,v1-async,v2-async,hf,solo] [--quick] [--json]
+                   [--tensor-parallel-size N]
 
 Engines: `v1`, `v2` (the runners, forced by argument), `v1-async`, `v2-async` (the runner
 with the engine's async scheduling: step N+1 launched before step N's tokens are read
 back), `hf` (transformers greedy on the
 same weights; greedy scenarios of a supported model only) and `solo` (each request
-alone through the first listed runner; scenarios that declare a solo reference). A
+alone through the first listed runner; scenarios that declare a solo reference). With
+--tensor-parallel-size N > 1 every runner engine gets a twin `<engine>-tpN` running on N
+ranks (torch.distributed), compared exactly with the rest. A
 random-weight preset is materialised as a seeded HF checkpoint (one per seed) whenever
 `hf` is asked for, and every engine then runs on that directory.
 
@@ -32,6 +35,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import re
 import sys
 import tempfile
 import time
@@ -45,6 +49,26 @@ from shared.harness.scenarios import QUICK_SCENARIOS, SCENARIOS, Scenario, build
 
 RUNNERS = ("v1", "v2", "v1-async", "v2-async")
 ENGINES = (*RUNNERS, "hf", "solo")
+# `--tensor-parallel-size N` gives every runner engine a twin `<engine>-tpN`, run with
+# that many ranks and compared with every other engine like a runner.
+_TP_SUFFIX = re.compile(r"^(?P<engine>.+)-tp(?P<size>[0-9]+)$")
+
+
+def split_engine(name: str) -> tuple[str, int]:
+    """'v2-async-tp2' -> ('v2-async', 2); 'v1' -> ('v1', 1)."""
+    m = _TP_SUFFIX.match(name)
+    return (m["engine"], int(m["size"])) if m else (name, 1)
+
+
+def is_runner(name: str) -> bool:
+    return split_engine(name)[0] in RUNNERS
+
+
+def with_tp_twins(engines: list[str], tensor_parallel_size: int) -> list[str]:
+    if tensor_parallel_size == 1:
+        return engines
+    twins = [f"{e}-tp{tensor_parallel_size}" for e in engines if e in RUNNERS]
+    return list(dict.fromkeys([*engines, *twins]))
 DEFAULT_ENGINES = "v1,v2,hf,solo"
 # |logprob| tolerance between runners (and a runner and its solo run): both share the
 # model and attention backend, so float64 agrees to rounding.
@@ -96,10 +120,13 @@ def build_engine(setup: DiffSetup, runner: str, engine_kwargs: dict[str, Any]):
     from policy import EngineArgs
     from shared.serving.engine import LLMEngine
 
-    runner, _, mode = runner.partition("-")  # "v1-async": V1 with async scheduling
+    name, tp = split_engine(runner)
+    runner, _, mode = name.partition("-")  # "v1-async": V1 with async scheduling
     kwargs = dict(engine_kwargs)
     if mode == "async":
         kwargs["async_scheduling"] = True
+    if tp > 1:
+        kwargs["tensor_parallel_size"] = tp
     return LLMEngine.from_engine_args(EngineArgs(
         model=setup.model_path, dtype=setup.dtype, device=setup.device, seed=setup.seed,
         model_runner=runner, **kwargs,
@@ -115,7 +142,7 @@ def run_one(setup: DiffSetup, scenario: Scenario) -> ScenarioReport:
         _run_engines(setup, scenario, report, runs)
     except Exception as exc:  # an engine crash is a finding, reported with its scenario
         report.error = f"{report.engines[-1]}: {type(exc).__name__}: {exc}"
-    runners = [r for r in RUNNERS if r in runs]
+    runners = [e for e in setup.engines if is_runner(e) and e in runs]
     if runners:
         first = runs[runners[0]]
         report.events = first.events()
@@ -128,7 +155,7 @@ def _run_engines(
     setup: DiffSetup, scenario: Scenario, report: ScenarioReport, runs: dict[str, ScenarioRun]
 ) -> None:
     """Fills `runs` engine by engine (what ran before a crash is still compared)."""
-    runners = [e for e in setup.engines if e in RUNNERS]
+    runners = [e for e in setup.engines if is_runner(e)]
     for runner in runners:
         report.engines.append(runner)
         engine = build_engine(setup, runner, scenario.engine_kwargs())
@@ -174,7 +201,7 @@ def _pairs(setup: DiffSetup, runs: dict[str, ScenarioRun], runners: list[str]):
         for b in runners[i + 1:]:
             pairs.append(compare_runs(a, runs[a].requests, b, runs[b].requests,
                                       setup.logprob_tol, reference=False,
-                                      in_flight=a.endswith("async") or b.endswith("async")))
+                                      in_flight="async" in a or "async" in b))
     for ref in ("hf", "solo"):
         if ref in runs:
             tol = setup.hf_logprob_tol if ref == "hf" else setup.logprob_tol
@@ -290,6 +317,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"only {', '.join(QUICK_SCENARIOS)} (tiny-llama float64 CPU by default)")
     p.add_argument("--logprob-tol", type=_tolerance, default=None,
                    help="max |logprob diff| between runners and vs solo (default by dtype)")
+    p.add_argument("--tensor-parallel-size", type=int, default=1,
+                   help="N > 1: every runner engine also runs with N ranks (engine <name>-tpN) "
+                        "and is compared with the others")
     p.add_argument("--json", action="store_true", help="print one JSON document")
     return p
 
@@ -306,8 +336,9 @@ def diff_main(argv: list[str]) -> int:
     scenarios = args.scenarios or list(QUICK_SCENARIOS if args.quick else SCENARIOS)
     start = time.perf_counter()
     try:
+        engines = with_tp_twins(args.engines, args.tensor_parallel_size)
         reports = run_diff(args.model, args.dtype, args.device, scenarios, args.seeds,
-                           args.engines, args.logprob_tol)
+                           engines, args.logprob_tol)
     except ValueError as exc:  # a bad model, dtype or device
         return usage_error(PROG, exc)
     except OSError as exc:  # a model file that cannot be read, a full temporary directory
@@ -328,6 +359,8 @@ def _refusal(args: argparse.Namespace) -> str | None:
     runners = [e for e in args.engines if e in RUNNERS]
     if not runners:
         return "--engines needs v1, v2, v1-async or v2-async (hf and solo are references)"
+    if args.tensor_parallel_size < 1:
+        return f"--tensor-parallel-size {args.tensor_parallel_size}: give an integer >= 1"
     if args.quick and args.scenarios:
         return ("--quick picks the scenarios (" + ",".join(QUICK_SCENARIOS) + "), and so does "
                 "--scenarios; give one of them")
