@@ -23,7 +23,6 @@ import torch
 import torch.distributed as dist
 
 from shared.distributed.group import TPGroup
-from shared.distributed.init import status_store
 
 HEADER_BYTES = 16 * 1024
 _LEN = struct.Struct("<Q")
@@ -111,10 +110,10 @@ def _busy_key(rank: int) -> str:
     return f"busy/{rank}"
 
 
-def post_busy(rank: int, what: str | None, message: int = 0, since: float = 0.0) -> None:
+def post_busy(group: TPGroup, what: str | None, message: int = 0, since: float = 0.0) -> None:
     """Post that this rank has been in `what` (message number `message`) since the
     wall-clock time `since`, or withdraw the post (what=None). A lost store is ignored."""
-    store = status_store()
+    store, rank = group.store, group.rank
     if store is None:
         return
     try:
@@ -126,9 +125,9 @@ def post_busy(rank: int, what: str | None, message: int = 0, since: float = 0.0)
         pass
 
 
-def busy_ranks(world_size: int) -> dict[int, str]:
+def busy_ranks(group: TPGroup) -> dict[int, str]:
     """rank -> what it has posted being busy with, in words (only the ranks that posted)."""
-    store = status_store()
+    store, world_size = group.store, group.world_size
     found: dict[int, str] = {}
     if store is None:
         return found

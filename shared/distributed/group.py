@@ -30,6 +30,9 @@ class TPGroup:
     # (the per-step SchedulerOutput, the KV-size agreement). None: a single process.
     device_group: Any = None
     cpu_group: Any = None
+    # The group's rendezvous store (prefixed): where a worker posts a call it has been
+    # busy in for a while, so rank 0 can name a hung rank (shared/distributed/channel.py).
+    store: Any = None
 
     @property
     def distributed(self) -> bool:

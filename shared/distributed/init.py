@@ -16,7 +16,6 @@ from __future__ import annotations
 import os
 import socket
 from datetime import timedelta
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -24,34 +23,12 @@ import torch.distributed as dist
 from shared.distributed.group import TPGroup
 
 _TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
-# The host-side status the workers post (channel.py); None outside a group.
-_status_store: Any = None
-
-
 def torchrun_env() -> tuple[int, int, int] | None:
     """(rank, world_size, local_rank) when launched by torchrun (its variables, read for an
     env:// rendezvous), else None."""
     if not all(os.environ.get(name) for name in _TORCHRUN_VARS):
         return None
     return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ["LOCAL_RANK"])
-
-
-def check_tp_fits_devices(tensor_parallel_size: int, device: str | torch.device) -> None:
-    """On CUDA: this host must see a GPU for each of its ranks (all of them when rank 0
-    spawns them; LOCAL_WORLD_SIZE under torchrun). Cheap and import-light enough to run at
-    config time; a no-op on CPU."""
-    if torch.device(device).type != "cuda":
-        return
-    local = tensor_parallel_size
-    if torchrun_env() is not None and os.environ.get("LOCAL_WORLD_SIZE"):
-        local = int(os.environ["LOCAL_WORLD_SIZE"])
-    visible = torch.cuda.device_count()
-    if local > visible:
-        shown = os.environ.get("CUDA_VISIBLE_DEVICES", "<unset>")
-        raise ValueError(
-            f"tensor_parallel_size={tensor_parallel_size} needs {local} CUDA devices on this "
-            f"host but {visible} are visible (CUDA_VISIBLE_DEVICES={shown}); lower "
-            "tensor_parallel_size or make more GPUs visible")
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -72,7 +49,6 @@ def init_tp_group(
     alone: rank 0 gives its sends timeout_s, a worker waits for the next message far
     longer. On CUDA the rank's device (cuda:local_rank; local_rank defaults to rank) is
     made current first, so NCCL and every later "cuda" tensor land on it."""
-    global _status_store
     device = torch.device(device)
     if device.type == "cuda":
         torch.cuda.set_device(rank if local_rank is None else local_rank)
@@ -85,20 +61,12 @@ def init_tp_group(
                             world_size=world_size, timeout=timeout)
     cpu_timeout = timedelta(seconds=timeout_s if message_timeout_s is None else message_timeout_s)
     cpu_group = dist.new_group(backend="gloo", timeout=cpu_timeout)
-    _status_store = dist.PrefixStore("runnerlab_tp/", store)
     return TPGroup(rank=rank, world_size=world_size, device_group=dist.group.WORLD,
-                   cpu_group=cpu_group)
-
-
-def status_store() -> Any:
-    """The rendezvous store of this process's group (prefixed), or None without one."""
-    return _status_store
+                   cpu_group=cpu_group, store=dist.PrefixStore("runnerlab_tp/", store))
 
 
 def destroy_tp_group(group: TPGroup) -> None:
     """Leave the group: the CPU group, then the default group. Idempotent."""
-    global _status_store
-    _status_store = None
     if not group.distributed or not dist.is_initialized():
         return
     if group.cpu_group is not None:

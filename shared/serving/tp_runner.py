@@ -239,7 +239,7 @@ class TPRunner:
             # The ranks that only waited on the stuck one in the collective time out at
             # about the same moment as rank 0 and withdraw their busy posts; let them.
             time.sleep(_SETTLE_S)
-        busy = busy_ranks(self._workers.group.world_size) if self._workers.group else {}
+        busy = busy_ranks(self._workers.group) if self._workers.group else {}
         rank = getattr(err, "rank", None)
         if dead:
             rank = rank if rank in dead else next(iter(dead))

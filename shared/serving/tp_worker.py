@@ -216,7 +216,7 @@ def _watch(worker: Worker, parent_pid: int | None, stop: threading.Event) -> Non
         key = busy[0] if long_call else None
         if key != posted:
             if key is None:
-                post_busy(worker.rank, None)
+                post_busy(worker.group, None)
             else:
-                post_busy(worker.rank, busy[1], busy[0], busy[2])
+                post_busy(worker.group, busy[1], busy[0], busy[2])
             posted = key

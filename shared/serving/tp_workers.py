@@ -24,10 +24,10 @@ from typing import Any
 import torch
 import torch.multiprocessing as mp
 
+from policy.parallel import check_launch
 from shared.distributed.channel import HostChannel
 from shared.distributed.group import TPGroup
 from shared.distributed.init import (
-    check_tp_fits_devices,
     destroy_tp_group,
     free_port,
     init_tp_group,
@@ -59,7 +59,9 @@ def start_tp_runner(config: Any, device: str | torch.device, runner_cls: type) -
                              f"tensor_parallel_size={size}; they must match")
         init_method, procs = "env://", {}
     else:
-        check_tp_fits_devices(size, device)
+        # (the config checked this already; a hand-made config meets it here)
+        check_launch(size, device.type, visible_devices=torch.cuda.device_count()
+                     if device.type == "cuda" else None)
         local_rank, init_method = 0, f"tcp://127.0.0.1:{free_port()}"
         procs = _spawn_workers(size, init_method, device, timeout_s)
     if device.type == "cuda":  # the current device is per thread: this one's, and _join's

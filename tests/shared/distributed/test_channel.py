@@ -38,10 +38,10 @@ def _echo_crcs(group) -> None:
     channel = HostChannel(group, timeout_s=10)
     while (message := channel.recv()) != "stop":
         channel.gather_int(crc(message))
-    post_busy(1, "load_model", 7, time.time() - 3)
+    post_busy(group, "load_model", 7, time.time() - 3)
     channel.gather_int(0)
     channel.gather_int(0)  # rank 0 reads the post in between
-    post_busy(1, None)
+    post_busy(group, None)
     channel.gather_int(0)
 
 
@@ -53,12 +53,12 @@ def test_messages_of_every_size_arrive_whole_and_in_order():
             if message != "stop":
                 assert channel.gather_int(crc(message)) == [crc(message)] * 2
         channel.gather_int(0)
-        busy = busy_ranks(2)
+        busy = busy_ranks(group)
         assert busy.keys() == {1}
         assert busy[1].startswith("busy in load_model (message 7) for 3.")
         channel.gather_int(0)
         channel.gather_int(0)
-        assert busy_ranks(2) == {}
+        assert busy_ranks(group) == {}
     assert child.exitcode == 0
 
 
