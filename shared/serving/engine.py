@@ -24,6 +24,7 @@ from shared.contract.outputs import CompletionOutput, RequestOutput, SpecDecodeS
 from shared.contract.pooling import PoolingOutput, PoolingParams, PoolingRequestOutput
 from shared.contract.sampling_params import SamplingParams
 from shared.contract.step import SchedulerOutput
+from shared.distributed.init import torchrun_env
 from shared.runtime.kernel_options import use_kernel_options
 from shared.serving.admission import (  # noqa: F401 (re-exported: the engine's API)
     MAX_MIN_TOKENS_STOP_IDS,
@@ -38,8 +39,16 @@ from shared.serving.parallel_sampling import ParentRequest, child_params
 from shared.serving.prompt_logprobs import prompt_logprobs_output
 from shared.serving.request import Request
 from shared.serving.scheduler import Scheduler
+from shared.serving.tp_worker import run_worker_from_torchrun
+from shared.serving.tp_workers import start_tp_runner
 
 logger = logging.getLogger("runnerlab")
+
+def is_torchrun_worker() -> bool:
+    """Launched by torchrun, as a rank other than 0."""
+    env = torchrun_env()
+    return env is not None and env[0] != 0
+
 
 def resolve_runner_class(path: str) -> type:
     """'package.module:Class' -> the class. The engine reaches runners only this way."""
@@ -116,7 +125,19 @@ class LLMEngine:
         """Runner, weights, KV cache, CUDA graphs; returns the number of KV blocks."""
         start = time.perf_counter()
         runner_cls = resolve_runner_class(self.decision.runner_class)
-        self.runner = runner_cls(config, self.device)
+        if config.parallel_config.tensor_parallel_size > 1 or torchrun_env() is not None:
+            # rank 0 of a group: spawns (or, under torchrun, joins) the other ranks; the
+            # runner it returns sends each call to every rank (shared/serving/tp_runner.py)
+            self.runner = start_tp_runner(config, self.device, runner_cls)
+        else:
+            self.runner = runner_cls(config, self.device)
+        try:
+            return self._set_up_weights_and_cache(start)
+        except BaseException:
+            self.shutdown()  # no worker outlives a failed set-up
+            raise
+
+    def _set_up_weights_and_cache(self, start: float) -> int:
         self.runner.load_model()
         num_blocks = self.runner.determine_num_blocks()
         self._check_kv_fits_one_request(num_blocks)
@@ -129,7 +150,25 @@ class LLMEngine:
 
     @classmethod
     def from_engine_args(cls, engine_args: Any) -> LLMEngine:
+        """The engine of `engine_args`; under torchrun, on a rank other than 0, this rank
+        serves rank 0's runner instead and exits when rank 0 shuts down (SystemExit(0)):
+        the policy decides once, on rank 0, so no configuration is resolved here."""
+        if is_torchrun_worker():
+            from policy.config import resolve_device
+            from policy.parallel import ParallelConfig
+
+            run_worker_from_torchrun(
+                ParallelConfig(tensor_parallel_size=engine_args.tensor_parallel_size,
+                               distributed_timeout_s=engine_args.distributed_timeout_s),
+                resolve_device(engine_args.device))
+            raise SystemExit(0)
         return cls(engine_args.create_engine_config())
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel workers, if any (idempotent; also done at exit)."""
+        shutdown = getattr(getattr(self, "runner", None), "shutdown", None)
+        if shutdown is not None:
+            shutdown()
 
     # ---- tokenizer ------------------------------------------------------------------
     @property

@@ -57,22 +57,22 @@ def spawned_worker_main(args: WorkerArgs) -> None:
     raise SystemExit(serve(args))
 
 
-def run_worker_from_torchrun(config: Any, *, device: str | None = None) -> None:
+def run_worker_from_torchrun(parallel: Any, device: str) -> None:
     """Under torchrun, ranks other than 0 call this instead of building an engine: they
     serve rank 0's runner until it shuts down, then return (an error exit raises
-    SystemExit). Only config.parallel_config and the device are read here; the runner's
-    configuration is rank 0's, received over the group."""
+    SystemExit). Only the ParallelConfig and the device are needed here: the runner's
+    configuration, and the runner decision in it, are rank 0's, received over the group
+    (the policy decides once)."""
     env = torchrun_env()
     if env is None or env[0] == 0:
         raise RuntimeError("run_worker_from_torchrun() is for torchrun's ranks other than 0 "
                            f"(torchrun env: {env}); rank 0 builds the engine")
     rank, world_size, local_rank = env
-    parallel = config.parallel_config
     if world_size != parallel.tensor_parallel_size:
         raise ValueError(f"torchrun started WORLD_SIZE={world_size} processes but "
                          f"tensor_parallel_size={parallel.tensor_parallel_size}; they must match")
     code = serve(WorkerArgs(rank, world_size, local_rank, "env://",
-                            device or config.device_config.device, parallel.distributed_timeout_s))
+                            device, parallel.distributed_timeout_s))
     if code:
         raise SystemExit(code)
 

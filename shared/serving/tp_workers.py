@@ -75,6 +75,8 @@ def start_tp_runner(config: Any, device: str | torch.device, runner_cls: type) -
     except BaseException:
         workers.stop(graceful=False)
         raise
+    logger.info("TP rank 0/%d: %s (decided here, once)", size,
+                config.runner_decision.log_line())
     logger.info("Tensor parallel: %d ranks on %s (%s); step messages over a gloo CPU group, "
                 "distributed_timeout_s=%g", size, device,
                 "torchrun" if env is not None else f"worker pids {tp.worker_pids}", timeout_s)

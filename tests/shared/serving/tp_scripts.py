@@ -28,7 +28,7 @@ def torchrun_main(out_path: str) -> None:
     env = torchrun_env()
     assert env is not None, "run me under torchrun"
     if env[0] != 0:
-        run_worker_from_torchrun(config)
+        run_worker_from_torchrun(config.parallel_config, "cpu")
         return
     tp = start_tp_runner(config, "cpu", FakeTPRunner)
     tp.load_model()
