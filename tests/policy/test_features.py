@@ -304,6 +304,21 @@ def _run_async_scheduling(runner: str):
     assert tokens == sync and in_flight > 0
 
 
+def _run_tp(runner: str):
+    """Two gloo ranks give the one-rank tokens, greedy and seeded (the full scenario
+    matrix is tests/shared/serving/test_tp_engine.py)."""
+    def run(monkeypatch):
+        kw = dict(model="tiny-llama", dtype="float64")
+        one, _, _ = _generate(_engine(model_runner="v1", **kw), sampled=True)
+        engine = _engine(model_runner=runner, tensor_parallel_size=2, **kw)
+        try:
+            assert len(engine.runner.worker_pids) == 1
+            assert _generate(engine, sampled=True)[0] == one
+        finally:
+            engine.shutdown()
+    return run
+
+
 # ---- speculative decoding: greedy equals the plain engine; the rest against each other
 SPEC = dict(model="tiny-llama", dtype="float64")
 # prompts that repeat themselves, so the ngram proposer finds matches
@@ -493,6 +508,7 @@ RUNS = {
     **{("rejection_sample_method='synthetic'", r): _run_synthetic(r) for r in ("v1", "v2")},
     ("rejection_sample_method='block'", "v2"): _run_block,
     ("async scheduling with speculative decoding", "v2"): _run_async_spec,
+    **{("tensor parallelism > 1", r): _run_tp(r) for r in ("v1", "v2")},
 }
 SUPPORTED_PAIRS = [(f.label, r) for f in FEATURES for r in ("v1", "v2") if f.status(r) == SUPPORTED]
 def test_every_supported_feature_has_a_run():
