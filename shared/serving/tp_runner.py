@@ -68,12 +68,15 @@ class TPRunner:
     changes state sent to the workers first (module docstring)."""
 
     def __init__(self, workers: Any):  # tp_workers.Workers
-        self._runner: Any = None
         self._workers = workers
         self._seq = 0
         self._sample_owed = False  # a step message was sent; its sample_tokens is local
         self._closed: str | None = None  # the reason, once closed
         self._finalizer = weakref.finalize(self, workers.stop, True)
+
+    @property
+    def _runner(self) -> Any:
+        return self._workers.local_runner
 
     # ---- set-up: every rank reports, so a failure anywhere stops here -----------------
     def _build(self, config: Any, device: torch.device, runner_cls: type) -> None:
@@ -81,7 +84,7 @@ class TPRunner:
 
         def build() -> None:
             with building_for(self._workers.group):
-                self._runner = runner_cls(config, device)
+                self._workers.local_runner = runner_cls(config, device)
 
         self._agree(("init", path), build, (config, path, device.type))
 
@@ -162,7 +165,8 @@ class TPRunner:
         return self._local(name, getattr(self._runner, name), *args, **kwargs)
 
     def __getattr__(self, name: str) -> Any:
-        runner = self.__dict__.get("_runner")
+        workers = self.__dict__.get("_workers")
+        runner = None if workers is None else workers.local_runner
         if runner is None or name.startswith("__"):
             raise AttributeError(name)
         attr = getattr(runner, name)

@@ -15,6 +15,7 @@ when rank 0 is gone. The user's script must keep its top level under
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import threading
@@ -138,6 +139,10 @@ class Workers:
         self.timeout_s = timeout_s
         self.group: TPGroup | None = None
         self.channel: HostChannel | None = None
+        # Rank 0's own runner. Its model's layers hold the process groups: it is dropped
+        # (and collected) before the groups are destroyed, for the reason the workers drop
+        # theirs (shared/serving/tp_worker.py: a group alive at interpreter exit aborts it).
+        self.local_runner: Any = None
         self.stopped = False
 
     def dead(self) -> dict[int, int]:
@@ -173,9 +178,11 @@ class Workers:
                     getattr(proc, stop)()
             for proc in self.procs.values():
                 proc.join(_SHUTDOWN_WAIT_S)
+        self.local_runner = None
+        gc.collect()  # the model's reference cycles, too
         if self.group is not None:
             try:
                 destroy_tp_group(self.group)
             except Exception as err:  # noqa: BLE001
                 logger.warning("Tensor parallel: destroying the process groups failed: %s", err)
-        self.channel = None  # holds the groups; rank 0's runner still does (its reads stay)
+        self.channel = None  # it holds the groups too
