@@ -52,6 +52,11 @@ class KernelOptions(BaseModel):
         None, ge=1, description="KV splits of every decode launch; None: by batch and SM "
                                 "count (benchmarks)")
     nvtx: bool = Field(False, description="NVTX ranges around each runner stage")
+    draft_full_graphs: bool = Field(
+        True, description="a draft model's uniform forwards (every request the same query "
+                          "length: its single-token drafts, a uniform catch-up) replay FULL "
+                          "CUDA graphs where the engine's cudagraph_mode has FULL graphs; "
+                          "False: the draft's piecewise graphs only (benchmarks)")
 
     def gemv_config(self, key: str) -> tuple[int, ...] | None:
         return self.gemv_configs.get(key)

@@ -2,7 +2,7 @@
 # The GPU machine's one entry point: install what the image lacks from carried wheels,
 # run the gpu-marked tests, run the benchmarks, write everything under $OUT.
 #
-#   scripts/gpu_check.sh [gemv|tune|tests|boundary|attention|decode|profile|ab|ab_async|ab_embed|builtins|sample_host|hf|all]...
+#   scripts/gpu_check.sh [gemv|tune|tests|boundary|attention|decode|profile|ab|ab_async|ab_embed|spec|ab_spec|builtins|sample_host|hf|all]...
 #
 # Stages run in the order of this file, whatever the order of the arguments. gemv and tune
 # write a GEMV launch table to $OUT/gemv_configs.json (gemv per shape, tune llama-3-8b's
@@ -10,7 +10,7 @@
 # explicit step, done by hand after reading the run (copy the fetched file over
 # shared/model/kernels/gemv_configs.json and commit it with the run's results). The later
 # stages measure the package's table. GEMV_ARGS, TUNE_ARGS, DECODE_ARGS and GPU_TESTS pass
-# arguments on.
+# arguments on; SPEC_VARIANTS and SPEC_CONFIGS replace the spec stages' variants.
 #
 # Run through the device tool from the repository root, carrying `.whl`:
 #   python3 -m pip download ... -d .whl pydantic==2.14.4 pydantic-core==2.50.5 \
@@ -83,6 +83,25 @@ if want ab_embed; then
   # pooling: 1,024 prompts of U[32, 512] tokens through a pooling engine per runner
   python3 -m shared.harness.cli ab --model qwen3-0.6b --load-format dummy --dtype bfloat16 --device cuda \
     --workloads embed --output-dir "$OUT/ab_embed" 2>&1 | grep -v "^INFO" | tee "$OUT/ab_embed.log"
+fi
+if want spec; then
+  # speculative decoding at llama-3-8b batch 1 (draft llama-3.2-1b, k = 3, synthetic
+  # 0.9/0.8/0.7): the step per variant, each beside the plain engine (SPEC_VARIANTS: JSON,
+  # name -> KernelOptions changes; scripts/profile_spec.py)
+  variants='{"piecewise": {"draft_full_graphs": false}, "full": {}, "full+gemv4": {"gemv_max_tokens": 4}, "full+gemv5": {"gemv_max_tokens": 5}}'
+  python3 scripts/profile_spec.py --steps 24 --variants "${SPEC_VARIANTS:-$variants}" \
+    --out "$OUT/profile_spec.json" 2>&1 | grep -v "^INFO" | tee "$OUT/profile_spec.log"
+fi
+if want ab_spec; then
+  # the same configuration through runnerlab ab, one run: the draft piecewise, FULL, and
+  # FULL with the verify's 4 rows on the GEMV path, against one baseline per runner
+  # (SPEC_CONFIGS: the --spec-configs JSON instead)
+  syn='"method": "draft_model", "model": "llama-3.2-1b", "num_speculative_tokens": 3, "rejection_sample_method": "synthetic", "synthetic_acceptance_rates": [0.9, 0.8, 0.7]'
+  configs="[{$syn, \"kernel_options\": {\"draft_full_graphs\": false}}, {$syn}, {$syn, \"kernel_options\": {\"gemv_max_tokens\": 4}}]"
+  python3 -m shared.harness.cli ab --model llama-3-8b --load-format dummy --dtype bfloat16 --device cuda \
+    --workloads spec --spec-batch 1 --spec-prompt-len 1024 --spec-max-tokens 128 --max-num-seqs 4 \
+    --spec-configs "${SPEC_CONFIGS:-$configs}" --output-dir "$OUT/ab_spec" 2>&1 \
+    | grep -v "^INFO" | tee "$OUT/ab_spec.log"
 fi
 if want builtins; then
   # the built-in logits processors' cost at batch 256, both runners in one process

@@ -1,28 +1,47 @@
 """Where a speculative step's time goes, per runner: the verify forward's GPU time, the
-draft model's forwards (how many ran through piecewise graphs) and the step's wall time,
-against the same engine without speculation (GPU machine; CPU runs for smoke).
+draft model's forwards (how many ran as FULL graphs, piecewise graphs, eagerly), the
+draft's host and GPU time, and the step's wall time, against the same engine without
+speculation (GPU machine; CPU runs for smoke).
 
     python scripts/profile_spec.py --model llama-3-8b --draft llama-3.2-1b --k 3 \
-        --rates 0.9,0.8,0.7 [--runners v1,v2] [--prompt-len 1024] [--steps 32]
+        --rates 0.9,0.8,0.7 [--runners v1,v2] [--prompt-len 1024] [--steps 32] \
+        [--kernel-options JSON] [--variants JSON] [--cprofile 40] [--out FILE]
+
+--kernel-options: every engine's KernelOptions (JSON, policy/kernel_options.py).
+--variants: one speculative engine per runner and variant, each with the base options
+updated by its own, against one plain engine per runner (default {"spec": {}}), e.g.
+'{"piecewise": {"draft_full_graphs": false}, "full": {}, "full+gemv4": {"gemv_max_tokens": 4}}'.
+Per engine: step_wall_ms_median, output_tok_s (tokens of the measured steps / their wall
+time) and speedup (against the runner's plain engine), forward_gpu_ms_median (the
+verify), step_gpu_ms_median (verify + LM head + rejection sampler; the draft runs after
+it), draft_host_ms_median / draft_gpu_ms_median (the proposer's call: host time, and CUDA-
+event time from its first to its last launch), draft_gpu_done_at_host_return (the share
+of steps whose draft GPU work had finished when the host returned from the call: near 1
+means the draft is host-bound; V1's proposer ends in a sync, so it is always 1 there),
+and draft_forwards (the draft's mode counters over the measured steps).
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
+import io
 import json
+import pstats
 import time
 
 import torch
 
 
-def build(args, runner: str, spec: dict | None):
+def build(args, runner: str, spec: dict | None, options: dict):
     from policy import EngineArgs
     from shared.serving.engine import LLMEngine
 
     kw = dict(model=args.model, load_format=args.load_format, dtype=args.dtype,
               device=args.device, model_runner=runner, max_model_len=args.prompt_len + args.steps * 4 + 64,
               max_num_seqs=4, max_num_batched_tokens=2048, enable_prefix_caching=False,
-              gpu_memory_utilization=0.3, cudagraph_capture_sizes=[1, 2, 4, 8, 16])
+              gpu_memory_utilization=0.3, cudagraph_capture_sizes=[1, 2, 4, 8, 16],
+              kernel_options=options)
     if args.device == "cpu":
         kw.pop("gpu_memory_utilization")
         kw.pop("cudagraph_capture_sizes")
@@ -31,45 +50,86 @@ def build(args, runner: str, spec: dict | None):
     return LLMEngine.from_engine_args(EngineArgs(**kw))
 
 
-def count_draft_forwards(engine) -> dict:
-    """Wrap the draft's DraftForward to count piecewise vs eager forwards."""
-    runner = engine.runner
-    spec = runner.speculator
+def draft_forward_of(engine):
+    spec = engine.runner.speculator
     if spec is None:
-        return {}
-    fwd = spec.draft.draft_forward if hasattr(spec, "draft") else spec.proposer.draft_forward
-    counts = {"piecewise": 0, "eager": 0, "captured": fwd.piecewise is not None,
-              "capture_sizes": fwd.capture_sizes}
-    original = fwd.executor.forward
-
-    def forward(*a, **kw):
-        counts["piecewise" if kw.get("cudagraph_mode") == "PIECEWISE" else "eager"] += 1
-        return original(*a, **kw)
-
-    fwd.executor.forward = forward
-    return counts
+        return None
+    return spec.draft.draft_forward if hasattr(spec, "draft") else spec.proposer.draft_forward
 
 
-def run(engine, args) -> dict:
+class DraftTimer:
+    """Wraps the proposer's propose: host time per call and, on CUDA, events around it."""
+
+    def __init__(self, engine, on_cuda: bool) -> None:
+        spec = engine.runner.speculator
+        self.target = spec.draft if hasattr(spec, "draft") else spec.proposer
+        self.on_cuda = on_cuda
+        self.host_ms: list[float] = []
+        self.done_at_return: list[bool] = []
+        self.events: list[tuple] = []
+        real = self.target.propose
+
+        def timed(*a, **kw):
+            start = end = None
+            if on_cuda:
+                start = torch.cuda.Event(enable_timing=True)
+                start.record()
+            t0 = time.perf_counter()
+            out = real(*a, **kw)
+            if on_cuda:
+                end = torch.cuda.Event(enable_timing=True)
+                end.record()
+                self.done_at_return.append(end.query())
+                self.events.append((start, end))
+            self.host_ms.append((time.perf_counter() - t0) * 1e3)
+            return out
+
+        self.target.propose = timed
+
+    def gpu_ms(self) -> list[float]:
+        torch.cuda.synchronize()
+        return [s.elapsed_time(e) for s, e in self.events]
+
+    def remove(self) -> None:
+        del self.target.propose  # the instance attribute: the class's method again
+
+
+def median(xs: list[float]) -> float | None:
+    xs = sorted(xs)
+    return xs[len(xs) // 2] if xs else None
+
+
+def run(engine, args, measure: bool = True) -> dict:
     from shared.contract.sampling_params import SamplingParams
 
     prompt = [(7 * i) % 1000 + 10 for i in range(args.prompt_len)]
     engine.add_request("r", prompt, SamplingParams(max_tokens=args.steps * 4 + 8, temperature=0.0,
                                                    ignore_eos=True, seed=0))
     engine.step()  # prefill
-    counts = count_draft_forwards(engine)
-    walls, gpus, tokens = [], [], 0
+    fwd = draft_forward_of(engine)
+    counts_before = dict(fwd.counts) if fwd is not None else {}
+    on_cuda = args.device == "cuda"
+    timer = DraftTimer(engine, on_cuda) if fwd is not None else None
+    profiler = cProfile.Profile() if measure and args.cprofile else None
+    walls, gpus, step_gpus, tokens, outs = [], [], [], 0, []
+    tokens_before = 1  # the prefill's token
     for _ in range(args.steps):
-        if args.device == "cuda":
+        if on_cuda:
             torch.cuda.synchronize()
         t0 = time.perf_counter()
+        if profiler is not None:
+            profiler.enable()
         outs = engine.step()
-        if args.device == "cuda":
+        if profiler is not None:
+            profiler.disable()
+        if on_cuda:
             torch.cuda.synchronize()
         walls.append((time.perf_counter() - t0) * 1e3)
-        g = engine.runner.step_stats.forward_gpu_ms()
-        if g is not None:
-            gpus.append(g)
+        stats = engine.runner.step_stats
+        for values, read in ((gpus, stats.forward_gpu_ms), (step_gpus, stats.step_gpu_ms)):
+            g = read()
+            if g is not None:
+                values.append(g)
         if not engine.has_unfinished_requests():
             break
     tokens = len(outs[0].outputs[0].token_ids) if outs else 0
@@ -77,13 +137,28 @@ def run(engine, args) -> dict:
     while engine.has_unfinished_requests():
         engine.step()
     stats = engine.runner.step_stats
-    walls.sort()
-    gpus.sort()
-    return {"step_wall_ms_median": walls[len(walls) // 2],
-            "forward_gpu_ms_median": gpus[len(gpus) // 2] if gpus else None,
-            "last_stage_ms": stats.stage_ms, "last_mode": stats.cudagraph_mode,
-            "draft_forwards": counts, "tokens_after": tokens,
-            "spec": engine.spec_decode_stats.as_dict() if engine.num_speculative_tokens else None}
+    result = {"step_wall_ms_median": median(walls),
+              "output_tok_s": (tokens - tokens_before) / (sum(walls) / 1e3) if walls else None,
+              "forward_gpu_ms_median": median(gpus), "step_gpu_ms_median": median(step_gpus),
+              "last_stage_ms": stats.stage_ms, "last_mode": stats.cudagraph_mode,
+              "tokens_after": tokens,
+              "spec": engine.spec_decode_stats.as_dict() if engine.num_speculative_tokens else None}
+    if fwd is not None:
+        result["draft_forwards"] = {
+            **{m: fwd.counts[m] - counts_before[m] for m in fwd.counts},
+            "captured": fwd.captured, "capture_sizes": fwd.capture_sizes,
+            "full_sizes": {} if fwd.full is None else fwd.full.full_sizes}
+        result["draft_host_ms_median"] = median(timer.host_ms)
+        if on_cuda:
+            result["draft_gpu_ms_median"] = median(timer.gpu_ms())
+            done = timer.done_at_return
+            result["draft_gpu_done_at_host_return"] = sum(done) / len(done) if done else None
+        timer.remove()
+    if profiler is not None:
+        text = io.StringIO()
+        pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(args.cprofile)
+        result["cprofile_tottime"] = text.getvalue()
+    return result
 
 
 def main() -> None:
@@ -98,18 +173,31 @@ def main() -> None:
     ap.add_argument("--rates", default="0.9,0.8,0.7")
     ap.add_argument("--prompt-len", type=int, default=1024)
     ap.add_argument("--steps", type=int, default=24)
+    ap.add_argument("--kernel-options", type=json.loads, default={}, metavar="JSON",
+                    help="every engine's KernelOptions")
+    ap.add_argument("--variants", type=json.loads, default={"spec": {}}, metavar="JSON",
+                    help="name -> KernelOptions changes of one speculative engine per runner")
+    ap.add_argument("--cprofile", type=int, default=0, metavar="N",
+                    help="cProfile the measured steps; the N functions of most own time")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     rates = [float(r) for r in args.rates.split(",")][: args.k]
     spec = {"method": "draft_model", "model": args.draft, "num_speculative_tokens": args.k,
             "rejection_sample_method": "synthetic", "synthetic_acceptance_rates": rates}
+    engines = [("plain", None, {})] + [(name, spec, changes) for name, changes in args.variants.items()]
     results = {}
     for runner in args.runners.split(","):
-        for name, s in (("plain", None), ("spec", spec)):
-            engine = build(args, runner, s)
-            run(engine, args)  # warm-up
+        for name, s, changes in engines:
+            engine = build(args, runner, s, {**args.kernel_options, **changes})
+            run(engine, args, measure=False)  # warm-up
             results[f"{runner}-{name}"] = res = run(engine, args)
+            plain = results[f"{runner}-plain"]["output_tok_s"]
+            res["speedup"] = res["output_tok_s"] / plain if plain and res["output_tok_s"] else None
+            profile = res.pop("cprofile_tottime", None)
             print(runner, name, json.dumps(res, default=str))
+            if profile:
+                print(profile)
+                res["cprofile_tottime"] = profile
             del engine
             if args.device == "cuda":
                 torch.cuda.empty_cache()

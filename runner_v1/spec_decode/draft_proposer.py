@@ -40,9 +40,10 @@ from runner_v1.buffers import CpuGpuBuffer
 from runner_v1.persistent_batch import PersistentBatch
 from runner_v1.prepare_inputs import fill_query_start_loc, gather_input_ids
 from runner_v1.sampling_metadata import SamplingMetadata
-from runner_v1.spec_decode.metadata import ragged_arange
+from runner_v1.spec_decode.metadata import ragged_arange, to_device
 from shared.attention.metadata import PAD_SLOT_ID, CommonAttentionMetadata, count_leading_decodes
-from shared.runtime.draft_executor import DraftForward, draft_capture_sizes, make_draft_executor
+from shared.runtime.draft_executor import DraftForward, make_draft_executor
+from shared.runtime.draft_graphs import draft_graph_config
 from shared.sampling.draft_sampling import sample_draft
 
 
@@ -123,8 +124,11 @@ class V1DraftProposer:
         self.block_size = config.cache_config.block_size
         self.vocab_size = target.vocab_size
         self.executor = make_draft_executor(config, draft_model_config, self.device)
+        graphs = draft_graph_config(
+            config, self.device.type == "cuda", self.executor.backend,
+            v1_full_query_lens(self.k), self.max_catch_up_tokens)
         self.draft_forward = DraftForward(
-            self.executor, self.max_catch_up_tokens, draft_capture_sizes(config), self.device)
+            self.executor, self.max_catch_up_tokens, graphs, self.device)
         self.buffers = _DraftBuffers(self.max_num_reqs, self.max_catch_up_tokens, self.k, self.device)
         self._proposals: dict[str, _Proposal] = {}
         # The host buffers are rewritten next step: the copies out of them must be done.
@@ -196,7 +200,7 @@ class V1DraftProposer:
 
         def flat_rows(sel: np.ndarray) -> torch.Tensor:  # the out rows of these requests
             flat = np.repeat(starts[sel], counts[sel]) + ragged_arange(counts[sel])
-            return torch.from_numpy(flat).to(self.device)
+            return to_device(flat, self.device)  # pinned, non_blocking: no wait for the verify
 
         out = torch.zeros((int(counts.sum()), self.vocab_size), dtype=torch.float64,
                           device=self.device)
@@ -308,9 +312,13 @@ class V1DraftProposer:
         positions_dev = b.step_positions.copy_to_gpu(steps)
         seq_lens_dev = b.step_seq_lens.copy_to_gpu(steps)
         slots_dev = b.step_slots.copy_to_gpu(steps)
-        temperature = metadata.temperature[rows_dev]
-        seeds = metadata.seeds[rows_dev]
-        block_table = batch.block_table.block_table.gpu.index_select(0, rows_dev)
+        temperature = seeds = None  # greedy drafts are an argmax: neither is read
+        if not metadata.all_greedy:
+            temperature = metadata.temperature[rows_dev]
+            seeds = metadata.seeds[rows_dev]
+        # gathered once for the k - 1 forwards, into the draft's persistent FULL-graph
+        # rows where it has them (after the catch-up, whose FULL graph reads them too)
+        block_table = self._table_rows(batch.block_table.block_table.gpu, rows_dev, n)
 
         logits = self.executor.compute_logits(hidden[b.last_token.copy_to_gpu(n)])
         tokens, q = sample_draft(logits, temperature, seeds, positions_dev[0, :n], 0,
@@ -333,19 +341,27 @@ class V1DraftProposer:
                 slots_dev[i, :m], b.arange_cpu[: m + 1], b.step_seq_lens.cpu[i, :m],
             )
             logits = self.executor.compute_logits(hidden_i)
-            tokens, q = sample_draft(logits, temperature[:m], seeds[:m], positions_dev[0, :m], i,
-                                     all_greedy=metadata.all_greedy)
+            tokens, q = sample_draft(logits, _head(temperature, m), _head(seeds, m),
+                                     positions_dev[0, :m], i, all_greedy=metadata.all_greedy)
             drafts[i, :m] = tokens
             if q is not None and probs is not None:
                 probs[:m, i] = q
-        host = drafts.cpu().numpy()  # the proposer's one sync
+        per_row = drafts.t().tolist()  # the proposer's one sync; [n][steps]
         greedy = batch.temperature.np[rows] == 0
         out: dict[int, list[int]] = {}
         for j, (row, cap) in enumerate(zip(rows.tolist(), caps.tolist())):  # per request
             self._proposals[batch.req_ids[row]] = _Proposal(
                 drafts[:cap, j], None if probs is None or greedy[j] else probs[j, :cap])
-            out[row] = host[:cap, j].tolist()
+            out[row] = per_row[j][:cap]
         return out
+
+    def _table_rows(self, table: torch.Tensor, rows_dev: torch.Tensor, n: int) -> torch.Tensor:
+        """table[rows] (int32 [n, max_blocks]), written into the draft's persistent FULL-
+        graph block table when it has n rows (its staging then copies nothing)."""
+        full = self.draft_forward.full
+        if full is None or n > full.block_table.shape[0]:
+            return table.index_select(0, rows_dev)
+        return torch.index_select(table, 0, rows_dev, out=full.block_table[:n])
 
     def _forward(
         self, step: _DraftStepBatch, input_ids: torch.Tensor, positions: torch.Tensor,
@@ -359,8 +375,26 @@ class V1DraftProposer:
         return self.draft_forward(input_ids, positions, slot_mapping, common)
 
     def capture(self, pool) -> None:
-        """The draft model's piecewise graphs (after the target's, in its pool)."""
+        """The draft model's graphs, FULL and piecewise (after the target's, in its pool)."""
         self.draft_forward.capture(pool)
+
+
+# A V1 catch-up feeds a row its accepted drafts + 2 tokens: uniform (one q for every row)
+# when the rows accepted alike, which at batch 1 is every step, rarely at large batches.
+# FULL catch-up graphs for q in 2..k + 2 are captured up to this many requests only.
+CATCH_UP_FULL_MAX_REQS = 4
+
+
+def v1_full_query_lens(k: int) -> dict[int, int]:
+    """The uniform query lengths V1's draft captures FULL graphs for (q -> the most
+    requests): its single-token forwards at every size, its catch-ups at small batches."""
+    lens = dict.fromkeys(range(2, k + 3), CATCH_UP_FULL_MAX_REQS)
+    lens[1] = 1 << 30
+    return lens
+
+
+def _head(t: torch.Tensor | None, m: int) -> torch.Tensor | None:
+    return None if t is None else t[:m]
 
 
 def fill_slots(

@@ -9,6 +9,7 @@ import numpy as np
 import torch
 
 from runner_v1.persistent_batch import PersistentBatch
+from shared.runtime.host_buffers import copy_packed_to_device
 
 
 @dataclass(frozen=True)
@@ -35,16 +36,19 @@ def build_spec_decode_metadata(
     ends = query_start_loc_np[1 : n + 1].astype(np.int64)
     first = np.repeat(ends - num_logits, num_logits)
     logits_indices_np = first + ragged_arange(num_logits)
+    # one pinned copy for both (input prep: on the critical path before the verify)
+    logits_indices, draft_ids = copy_packed_to_device(
+        [logits_indices_np, draft_token_ids.astype(np.int64)], device)
     return SpecDecodeMetadata(
         num_draft_tokens=num_draft_tokens,
         cu_num_logits=cu.astype(np.int32),
         logits_indices_np=logits_indices_np,
-        logits_indices=_to_device(logits_indices_np, device),
-        draft_token_ids=_to_device(draft_token_ids.astype(np.int64), device),
+        logits_indices=logits_indices,
+        draft_token_ids=draft_ids,
     )
 
 
-def _to_device(x: np.ndarray, device: torch.device) -> torch.Tensor:
+def to_device(x: np.ndarray, device: torch.device) -> torch.Tensor:
     """Through pinned memory, non_blocking: a pageable copy waits for the stream."""
     t = torch.from_numpy(np.ascontiguousarray(x))
     if torch.device(device).type != "cuda":

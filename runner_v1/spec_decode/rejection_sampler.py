@@ -27,6 +27,7 @@ import torch
 from runner_v1.sampler import compute_dtype, filter_threshold, sample
 from runner_v1.sampling_metadata import SamplingMetadata
 from shared.contract.sampler_output import RejectionOutput
+from shared.runtime.host_buffers import copy_packed_to_device
 from shared.sampling.noise import acceptance_uniform, exponential_noise
 
 METHODS = ("standard", "synthetic")
@@ -49,20 +50,16 @@ def _layout(num_draft_tokens: np.ndarray, device: torch.device) -> _Layout:
     k = np.asarray(num_draft_tokens, dtype=np.int64)
     n, t = len(k), int(k.sum())
     draft_start = np.cumsum(k) - k
-    req_of_draft = np.repeat(np.arange(n), k)
-    flat = np.arange(t)
-
-    def dev(a: np.ndarray) -> torch.Tensor:
-        return torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64)).to(device, non_blocking=True)
-
+    req_of_draft = np.repeat(np.arange(n, dtype=np.int64), k)
+    flat = np.arange(t, dtype=np.int64)
+    # one pinned copy for the six (separate pageable copies cost a launch each)
+    first_row, start, req_of_row, req_of_d, offset, draft_rows = copy_packed_to_device([
+        draft_start + np.arange(n), draft_start, np.repeat(np.arange(n, dtype=np.int64), k + 1),
+        req_of_draft, flat - draft_start[req_of_draft], flat + req_of_draft], device)
     return _Layout(
-        max_k=int(k.max()) if n else 0,
-        first_row=dev(draft_start + np.arange(n)),
-        draft_start=dev(draft_start),
-        req_of_row=dev(np.repeat(np.arange(n), k + 1)),
-        req_of_draft=dev(req_of_draft),
-        offset_of_draft=dev(flat - draft_start[req_of_draft]),
-        draft_rows=dev(flat + req_of_draft),
+        max_k=int(k.max()) if n else 0, first_row=first_row, draft_start=start,
+        req_of_row=req_of_row, req_of_draft=req_of_d, offset_of_draft=offset,
+        draft_rows=draft_rows,
     )
 
 
@@ -159,7 +156,7 @@ def rejection_sample(
     draft_token_ids: torch.Tensor,
     draft_probs: torch.Tensor | None,
     method: str,
-    synthetic_rates: Sequence[float] | None = None,
+    synthetic_rates: Sequence[float] | torch.Tensor | None = None,
 ) -> RejectionOutput:
     """Verify each request's drafts against its target logits.
 
@@ -167,7 +164,8 @@ def rejection_sample(
     (input position of each logit row); num_draft_tokens int32 [N] on the host;
     draft_token_ids int64 [sum k_b]; draft_probs float64 [sum k_b, V] or None (one-hot
     drafts, e.g. ngram); method "standard" or "synthetic"; synthetic_rates: one
-    conditional acceptance rate per draft position (synthetic only)."""
+    conditional acceptance rate per draft position (synthetic only; a float64 device tensor
+    avoids a host-to-device copy per step, which would wait for the verify forward)."""
     check_supported(metadata, method)
     n = metadata.num_reqs
     k = np.asarray(num_draft_tokens)
@@ -188,7 +186,9 @@ def rejection_sample(
         if synthetic_rates is None or len(synthetic_rates) < lay.max_k:
             raise ValueError(f"synthetic rejection sampling needs a rate per draft position "
                              f"(at least {lay.max_k}), got {synthetic_rates}")
-        rates = torch.tensor(list(synthetic_rates) or [0.0], dtype=torch.float64, device=device)
+        rates = synthetic_rates
+        if not isinstance(rates, torch.Tensor):  # a pageable copy: it waits for the stream
+            rates = torch.tensor(list(rates) or [0.0], dtype=torch.float64, device=device)
         u = acceptance_uniform(md.seeds[lay.draft_rows], positions[lay.draft_rows])
         accepted = u < rates[lay.offset_of_draft]
     else:

@@ -41,6 +41,10 @@ class V1Speculator:
         self.method = spec.rejection_sample_method
         rates = spec.synthetic_acceptance_rates
         self.synthetic_rates = None if rates is None else tuple(float(r) for r in rates)
+        # on the device once: built per step from a list, the copy would wait for the
+        # verify forward (a pageable host-to-device copy is synchronous)
+        self.synthetic_rates_dev = None if rates is None else torch.tensor(
+            self.synthetic_rates, dtype=torch.float64, device=device)
         self.device = device
         max_model_len = config.scheduler_config.max_model_len
         self.ngram: NgramProposer | None = None
@@ -107,7 +111,7 @@ class V1Speculator:
             probs = self.draft.draft_probs_for_step(req_ids, md.num_draft_tokens)
         return rejection_sample(
             logits, metadata, positions, md.num_draft_tokens, md.draft_token_ids, probs,
-            self.method, self.synthetic_rates,
+            self.method, self.synthetic_rates_dev,
         )
 
     # ---- after sampling -----------------------------------------------------------------

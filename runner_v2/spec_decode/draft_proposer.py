@@ -25,9 +25,10 @@ import torch
 from runner_v2.input_batch import InputBatch
 from runner_v2.sample.states import SamplingStates
 from runner_v2.states import RequestState
-from runner_v2.uva import async_copy_to_device
 from shared.attention.metadata import PAD_SLOT_ID, CommonAttentionMetadata, count_leading_decodes
 from shared.runtime.draft_executor import DraftForward
+from shared.runtime.draft_graphs import DraftGraphConfig
+from shared.runtime.host_buffers import copy_packed_to_device
 from shared.runtime.model_executor import ModelExecutor
 from shared.runtime.triton_utils import tl, triton
 from shared.sampling.draft_sampling import sample_draft
@@ -94,12 +95,19 @@ def _decode_inputs_kernel(
     tl.store(slots_ptr + s, _slot(block_table_ptr, block_table_stride, row, pos, block_size, valid))
 
 
+def v2_full_query_lens(k: int) -> dict[int, int]:
+    """The uniform query lengths V2's draft captures FULL graphs for (q -> the most
+    requests): its single-token forwards, and its catch-up, which feeds every sampled
+    decode row with k drafts k + 2 tokens (uniform whenever the whole batch drafts)."""
+    return {1: 1 << 30, k + 2: 1 << 30}
+
+
 class V2DraftProposer:
     def __init__(self, executor: ModelExecutor, k: int, max_model_len: int, block_size: int,
                  needs_host_seq_lens: bool, device: torch.device, max_num_tokens: int,
-                 capture_sizes: list[int]) -> None:
+                 graphs: DraftGraphConfig) -> None:
         self.executor = executor
-        self.draft_forward = DraftForward(executor, max_num_tokens, capture_sizes, device)
+        self.draft_forward = DraftForward(executor, max_num_tokens, graphs, device)
         self.k = k
         self.max_model_len = max_model_len
         self.block_size = block_size
@@ -108,12 +116,24 @@ class V2DraftProposer:
         self.device = device
         self._max_seq_len = max_model_len  # a bound for the draft decodes' metadata
         self._arange_dev: torch.Tensor | None = None
+        self._arange_cpu = torch.arange(1025, dtype=torch.int32)
 
     def _arange(self, n: int) -> torch.Tensor:
         """int32 0..n-1 on the device, from one buffer (a decode's query_start_loc)."""
         if self._arange_dev is None or self._arange_dev.shape[0] < n:
             self._arange_dev = torch.arange(max(n, 1024), dtype=torch.int32, device=self.device)
+            self._arange_cpu = torch.arange(self._arange_dev.shape[0], dtype=torch.int32)
         return self._arange_dev[:n]
+
+    def _metadata_rows(self, n: int, dtype: torch.dtype, width: int | None = None) -> torch.Tensor:
+        """Where a forward's per-request metadata goes: the draft's persistent FULL-graph
+        buffer when it has one of n rows (the graph's staging then copies nothing), else
+        a fresh tensor. seq_lens int32 [n] (width None) or block-table rows [n, width]."""
+        full = self.draft_forward.full
+        if full is not None and n <= full.seq_lens.shape[0]:
+            return full.seq_lens[:n] if width is None else full.block_table[:n]
+        shape = (n,) if width is None else (n, width)
+        return torch.empty(shape, dtype=dtype, device=self.device)
 
     def propose(
         self, batch: InputBatch, is_sampled_np: np.ndarray, req_states: RequestState,
@@ -126,50 +146,66 @@ class V2DraftProposer:
         sampled = np.flatnonzero(is_sampled_np)
         if sampled.size == 0:
             return
-        hidden, last_idx, positions = self._catch_up(batch, is_sampled_np, req_states, block_table)
-        # pinned staging, non_blocking: a pageable copy would wait for the whole
-        # verify step on the stream and serialise the draft's launches behind it
-        sel = async_copy_to_device(sampled, self.device)
+        m = int(sampled.size)
+        hidden, last_idx, positions, sel = self._catch_up(
+            batch, is_sampled_np, sampled, req_states, block_table)
         last = last_idx.index_select(0, sel)
         rows = batch.idx_mapping[:n].index_select(0, sel)
-        temperature = states.temperature.index_select(0, rows)
-        seeds = states.seeds.index_select(0, rows)
-        pos = positions.index_select(0, last)
-        first = pos  # the noise of every draft of this proposal is keyed by it
         want_probs = draft_probs is not None
+        temperature = seeds = None
+        if want_probs:  # greedy drafts are an argmax: no temperature, no noise
+            temperature = states.temperature.index_select(0, rows)
+            seeds = states.seeds.index_select(0, rows)
+        # the position of each proposal's first draft input: every draft's noise key
+        first = positions.index_select(0, last)
         logits = self.executor.compute_logits(hidden.index_select(0, last))
         tokens, q = sample_draft(logits, temperature, seeds, first, 0, want_probs,
                                  all_greedy=not want_probs)
-        self._store(draft_tokens, draft_probs, rows, 0, tokens, q)
-        tables = batch.block_table.index_select(0, sel)
+        rows_long = rows.long()
+        drafts = torch.empty((self.k, m), dtype=torch.int64, device=self.device)
+        drafts[0] = tokens
+        self._store_probs(draft_probs, rows_long, 0, q)
+        # the sampled rows' block tables, gathered once for the k - 1 forwards (after the
+        # catch-up: its FULL graph may read the same persistent rows)
+        tables = self._metadata_rows(m, torch.int32, batch.block_table.shape[1])
+        torch.index_select(batch.block_table, 0, sel, out=tables)
+        pos = first
         for i in range(1, self.k):  # draft positions, not tokens: k <= 16
-            hidden, pos = self._decode_forward(rows, pos, tokens, tables, block_table, int(sampled.size))
+            hidden, pos = self._decode_forward(rows, pos, drafts[i - 1], tables, block_table, m)
             logits = self.executor.compute_logits(hidden)
-            tokens, q = sample_draft(logits, temperature, seeds, first, i, want_probs,
-                                     all_greedy=not want_probs)
-            self._store(draft_tokens, draft_probs, rows, i, tokens, q)
+            drafts[i], q = sample_draft(logits, temperature, seeds, first, i, want_probs,
+                                        all_greedy=not want_probs)
+            self._store_probs(draft_probs, rows_long, i, q)
+        draft_tokens[rows_long] = drafts.t()  # one scatter for the k drafts
 
     @staticmethod
-    def _store(draft_tokens, draft_probs, rows, i, tokens, q) -> None:
-        draft_tokens[rows.long(), i] = tokens
+    def _store_probs(draft_probs, rows_long, i, q) -> None:
+        # one [m, V] row block per draft (stacking all k first would double the largest
+        # tensor of the step)
         if draft_probs is not None and q is not None:
-            draft_probs[rows.long(), i] = q
+            draft_probs[rows_long, i] = q
 
-    def _catch_up(self, batch: InputBatch, is_sampled_np: np.ndarray, req_states: RequestState,
-                  block_table: torch.Tensor):
+    def _catch_up(self, batch: InputBatch, is_sampled_np: np.ndarray, sampled: np.ndarray,
+                  req_states: RequestState, block_table: torch.Tensor):
+        """The catch-up forward. -> (hidden states, each row's last real token, the
+        positions, the sampled rows' batch indices on the device)."""
         n = batch.num_reqs
         qlen = batch.num_scheduled_tokens_np.astype(np.int64)
         lengths = qlen + is_sampled_np.astype(np.int64)
         qsl = np.zeros(n + 1, dtype=np.int32)
         np.cumsum(lengths, out=qsl[1:])
         total = int(qsl[-1])
+        fwd = self.draft_forward
+        if total > fwd.max_num_tokens:
+            raise ValueError(f"draft catch-up of {total} tokens exceeds its {fwd.max_num_tokens}")
         dev = self.device
-        ids = torch.empty(total, dtype=torch.int32, device=dev)
-        positions = torch.empty(total, dtype=torch.int64, device=dev)
-        slots = torch.empty(total, dtype=torch.int64, device=dev)
+        # written in place: the forward's persistent buffers (no copy into them)
+        ids, positions, slots = fwd.input_ids[:total], fwd.positions[:total], fwd.slot_mapping[:total]
         last_idx = torch.empty(n, dtype=torch.int64, device=dev)
-        seq_lens = torch.empty(n, dtype=torch.int32, device=dev)
-        qsl_dev = async_copy_to_device(qsl, dev)
+        seq_lens = self._metadata_rows(n, torch.int32)
+        # pinned staging, non_blocking, one copy for both: a pageable copy would wait for
+        # the whole verify step on the stream and serialise the draft's launches behind it
+        qsl_dev, sel = copy_packed_to_device([qsl, sampled], dev)
         at = req_states.all_token_ids.gpu
         _catch_up_inputs_kernel[(n,)](
             batch.idx_mapping, batch.seq_lens, batch.query_start_loc, qsl_dev,
@@ -191,27 +227,25 @@ class V2DraftProposer:
             seq_lens_cpu=seq_lens_cpu,
         )
         self._max_seq_len = min(self.max_model_len, int(seq_lens_np.max()) + self.k)
-        hidden = self.draft_forward(ids, positions, slots, md)
-        return hidden, last_idx, positions
+        hidden = fwd(ids, positions, slots, md)
+        return hidden, last_idx, positions, sel
 
     def _decode_forward(self, rows, prev_pos, tokens, tables, block_table, n: int):
-        dev = self.device
-        ids = torch.empty(n, dtype=torch.int32, device=dev)
-        positions = torch.empty(n, dtype=torch.int64, device=dev)
-        slots = torch.empty(n, dtype=torch.int64, device=dev)
-        seq_lens = torch.empty(n, dtype=torch.int32, device=dev)
+        fwd = self.draft_forward
+        # written in place: the forward's persistent buffers (the kernel reads prev_pos[s]
+        # before it writes positions[s], so prev_pos may be this very view)
+        ids, positions, slots = fwd.input_ids[:n], fwd.positions[:n], fwd.slot_mapping[:n]
+        seq_lens = self._metadata_rows(n, torch.int32)
         _decode_inputs_kernel[(n,)](
             rows, prev_pos, tokens, block_table, block_table.stride(0), self.block_size,
             self.max_model_len, ids, positions, slots, seq_lens,
         )  # fmt: skip
-        qsl_np = np.arange(n + 1, dtype=np.int32)
         md = CommonAttentionMetadata(
             query_start_loc=self._arange(n + 1), seq_lens=seq_lens,
             block_table=tables, slot_mapping=slots, num_reqs=n, num_actual_tokens=n,
             max_query_len=1, max_seq_len=self._max_seq_len, num_decodes=n, num_prefills=0,
             num_decode_tokens=n, block_size=self.block_size,
-            query_start_loc_cpu=torch.from_numpy(qsl_np),
+            query_start_loc_cpu=self._arange_cpu[: n + 1],
             seq_lens_cpu=seq_lens.cpu() if self.needs_host_seq_lens else None,
         )
-        hidden = self.draft_forward(ids, positions, slots, md)
-        return hidden[:n], positions
+        return fwd(ids, positions, slots, md), positions

@@ -1,7 +1,7 @@
 """The per-step spec-decode view of a V2 batch: which tokens' logits are sampled.
 
 Everything here is known on the host from the scheduler's counts (how many drafts each
-row was scheduled with), so it is computed in NumPy and shipped with small async copies;
+row was scheduled with), so it is computed in NumPy and shipped with one async copy;
 the draft VALUES never come to the host (they sit in the speculator's device buffer and
 reach input_ids through the input-prep kernel).
 """
@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from runner_v2.uva import async_copy_to_device
+from shared.runtime.host_buffers import copy_packed_to_device
 
 
 @dataclass(frozen=True)
@@ -53,12 +53,16 @@ def build_spec_decode_batch(
     rows = np.repeat(idx_mapping_np.astype(np.int64), num_logits)
     # the bonus row's draft slot is never read: clamp it into the row's own slots
     draft_slot = rows * k + np.minimum(local, k - 1)
+    # one pinned copy for the four (it is on the step's critical path: the verify forward
+    # waits behind this input prep)
+    cu_dev, indices_dev, rows_dev, slot_dev = copy_packed_to_device(
+        [cu, logits_indices, rows.astype(np.int32), draft_slot], device)
     return SpecDecodeBatch(
         num_draft_tokens_np=num_drafts,
         cu_num_logits_np=cu,
-        cu_num_logits=async_copy_to_device(cu, device),
-        logits_indices=async_copy_to_device(logits_indices, device),
-        expanded_idx_mapping=async_copy_to_device(rows.astype(np.int32), device),
-        draft_slot=async_copy_to_device(draft_slot, device),
+        cu_num_logits=cu_dev,
+        logits_indices=indices_dev,
+        expanded_idx_mapping=rows_dev,
+        draft_slot=slot_dev,
         max_num_drafts=int(num_drafts.max()) if n else 0,
     )

@@ -17,12 +17,13 @@ import torch
 
 from runner_v2.input_batch import InputBatch
 from runner_v2.sample.states import SamplingStates
-from runner_v2.spec_decode.draft_proposer import V2DraftProposer
+from runner_v2.spec_decode.draft_proposer import V2DraftProposer, v2_full_query_lens
 from runner_v2.spec_decode.rejection_sampler import RejectionOutput, rejection_sample
 from runner_v2.spec_decode.spec_batch import SpecDecodeBatch, build_spec_decode_batch
 from runner_v2.states import RequestState
 from shared.contract.step import SchedulerOutput
-from shared.runtime.draft_executor import draft_capture_sizes, make_draft_executor
+from shared.runtime.draft_executor import make_draft_executor
+from shared.runtime.draft_graphs import draft_graph_config
 
 
 class V2Speculator:
@@ -48,11 +49,14 @@ class V2Speculator:
         self.draft_tokens = torch.zeros(max_num_reqs, self.k, dtype=torch.int64, device=device)
         self.draft_probs: torch.Tensor | None = None  # [R, k, V] float64, on first random row
         self.max_num_reqs = max_num_reqs
+        max_tokens = config.scheduler_config.max_num_batched_tokens + max_num_reqs
+        on_cuda = torch.device(device).type == "cuda"
+        graphs = draft_graph_config(config, on_cuda, self.draft_executor.backend,
+                                    v2_full_query_lens(self.k), max_tokens)
         self.proposer = V2DraftProposer(
             self.draft_executor, self.k, config.scheduler_config.max_model_len,
             config.cache_config.block_size, config.attention_backend == "TORCH", device,
-            config.scheduler_config.max_num_batched_tokens + max_num_reqs,
-            draft_capture_sizes(config),
+            max_tokens, graphs,
         )
 
     # ---- set-up -------------------------------------------------------------------------

@@ -41,6 +41,7 @@ from shared.harness.spec_args import (
     spec_engine_loop,
     spec_flag_refusal,
     spec_settings,
+    split_kernel_options,
 )
 
 PROG = "runnerlab ab"
@@ -309,7 +310,8 @@ def check_output_dir(path: str) -> None:
 def _engine_args(args: argparse.Namespace, runner: str, loop: str, max_batch: int = 0,
                  num_engines: int = 2, speculative: dict | None = None):
     """The EngineArgs of one of ab's engines; `speculative`: the spec workload's
-    speculative_config for it (check_flags has refused --speculative-config beside it)."""
+    speculative_config for it (check_flags has refused --speculative-config beside it),
+    with its own KernelOptions changes, if any, over the run's --kernel-options."""
     from policy.explain import engine_args_from_namespace
 
     base = engine_args_from_namespace(args).model_dump()
@@ -317,7 +319,11 @@ def _engine_args(args: argparse.Namespace, runner: str, loop: str, max_batch: in
     if base.get("pooler_config") is not None:  # the embed workload's engines' only
         base["pooler_config"] = None
     if speculative is not None:
-        base["speculative_config"] = speculative
+        # a --spec-configs object's own kernel options go to its engines only
+        base["speculative_config"], changes = split_kernel_options(speculative)
+        if changes:
+            options = KernelOptions.model_validate(base.get("kernel_options") or {})
+            base["kernel_options"] = options.model_copy(update=changes)
     # (resolve_engine_loops has checked that --async-scheduling agrees with the loop)
     base["async_scheduling"] = loop == "async"
     if getattr(args, "max_num_seqs", None) is None:

@@ -35,6 +35,10 @@ ASYNC_FEATURES = ("async scheduling", "async scheduling with speculative decodin
 DEFAULT_NUM_SPECULATIVE_TOKENS = (1, 2, 3, 4)
 EXAMPLE = ('[{"method": "ngram", "num_speculative_tokens": 2}, {"method": "draft_model", '
            '"model": "tiny-llama-draft", "num_speculative_tokens": 2}]')
+# A config's own KernelOptions changes (over --kernel-options), e.g. one run comparing the
+# draft's FULL graphs with its piecewise ones: not a speculative_config field, taken off
+# before the config is checked and given to that config's engines only.
+KERNEL_OPTIONS_KEY = "kernel_options"
 
 
 @dataclass(frozen=True)
@@ -56,7 +60,9 @@ def add_spec_args(parser: argparse.ArgumentParser) -> None:
                    help="a JSON list of speculative_config objects, one engine per runner "
                    f"each, e.g. '{EXAMPLE}' (default: method draft_model, the model's draft "
                    "preset (tiny-llama: tiny-llama-draft, llama-3-8b: llama-3.2-1b), "
-                   "num_speculative_tokens 1..4)")
+                   "num_speculative_tokens 1..4); an object may carry "
+                   f'"{KERNEL_OPTIONS_KEY}": {{...}}, KernelOptions changes for its engines '
+                   'only, e.g. {"draft_full_graphs": false} or {"gemv_max_tokens": 4}')
     g.add_argument("--spec-batch", type=bounded_int(1), default=None,
                    help="requests decoding together (default 1)")
     g.add_argument("--spec-prompt-len", type=bounded_int(1), default=None,
@@ -88,13 +94,38 @@ def parse_spec_configs(text: str) -> list[dict[str, Any]]:
                                          f"objects, e.g. {EXAMPLE}; got {text!r}")
     configs = []
     for i, raw in enumerate(value):
+        fields = {k: v for k, v in raw.items() if k != KERNEL_OPTIONS_KEY}
         try:
-            config = SpeculativeConfig.model_validate(raw)
+            config = SpeculativeConfig.model_validate(fields)
+            options = _kernel_options(raw.get(KERNEL_OPTIONS_KEY))
         except ValueError as exc:  # pydantic's ValidationError is one
             raise argparse.ArgumentTypeError(f"config {i} {json.dumps(raw)}: "
                                              f"{one_line(exc)}") from None
-        configs.append(config.model_dump(mode="json", exclude_none=True))
+        resolved = config.model_dump(mode="json", exclude_none=True)
+        if options:
+            resolved[KERNEL_OPTIONS_KEY] = options
+        configs.append(resolved)
     return configs
+
+
+def _kernel_options(changes: Any) -> dict[str, Any]:
+    """A config's KernelOptions changes, checked by KernelOptions (-> the given fields,
+    as validated)."""
+    from policy.kernel_options import KernelOptions
+
+    if changes is None:
+        return {}
+    if not isinstance(changes, dict):
+        raise ValueError(f"{KERNEL_OPTIONS_KEY} must be a JSON object of KernelOptions fields, "
+                         f"got {json.dumps(changes)}")
+    options = KernelOptions.model_validate(changes)
+    return options.model_dump(mode="json", include=set(changes))
+
+
+def split_kernel_options(config: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """A resolved config -> (its speculative_config fields, its KernelOptions changes)."""
+    fields = {k: v for k, v in config.items() if k != KERNEL_OPTIONS_KEY}
+    return fields, dict(config.get(KERNEL_OPTIONS_KEY) or {})
 
 
 def _temperature(text: str) -> float:
@@ -131,7 +162,8 @@ def default_spec_configs(model: str) -> list[dict[str, Any]]:
 
 def spec_label(config: dict[str, Any], name_draft: bool = False) -> str:
     """A config's name in the table: 'draft_model k=2', 'ngram k=3 n=2..4', 'draft_model
-    k=4 synthetic [0.8,0.6,0.4,0.2]'; the draft's name too where the configs use several."""
+    k=4 synthetic [0.8,0.6,0.4,0.2]', 'draft_model k=3 {gemv_max_tokens=4}' (its own
+    kernel options); the draft's name too where the configs use several."""
     words = [config["method"], f"k={config['num_speculative_tokens']}"]
     if config["method"] == "ngram":
         words.append(f"n={config['prompt_lookup_min']}..{config['prompt_lookup_max']}")
@@ -143,6 +175,10 @@ def spec_label(config: dict[str, Any], name_draft: bool = False) -> str:
     rates = config.get("synthetic_acceptance_rates")
     if rates:
         words.append("[" + ",".join(f"{r:g}" for r in rates) + "]")
+    options = config.get(KERNEL_OPTIONS_KEY)
+    if options:
+        words.append("{" + ",".join(f"{k}={json.dumps(v)}" for k, v in sorted(options.items()))
+                     + "}")
     return " ".join(words)
 
 

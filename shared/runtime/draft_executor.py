@@ -17,16 +17,10 @@ from typing import Any
 import torch
 
 from shared.attention.metadata import PAD_SLOT_ID, CommonAttentionMetadata
-from shared.runtime.cudagraph_utils import padded_size
+from shared.runtime.cudagraph_utils import BatchDescriptor
+from shared.runtime.draft_graphs import DraftFullGraphs, DraftGraphConfig, dispatch_draft
 from shared.runtime.model_executor import ModelExecutor
 from shared.runtime.piecewise_graphs import PiecewiseGraphs
-
-
-def draft_capture_sizes(config: Any) -> list[int]:
-    """Piecewise graph sizes for the draft: the engine's capture sizes whenever CUDA graphs
-    are on at all (the draft's forwards are small and many: graphs pay off most there)."""
-    cc = config.compilation_config
-    return [] if cc.cudagraph_mode == "NONE" else list(cc.cudagraph_capture_sizes)
 
 
 def make_draft_executor(config: Any, draft_model_config: Any, device: torch.device) -> ModelExecutor:
@@ -42,16 +36,19 @@ def make_draft_executor(config: Any, draft_model_config: Any, device: torch.devi
 
 
 class DraftForward:
-    """The draft model's forwards, both runners: eager, or through piecewise CUDA graphs
-    over persistent input buffers (the draft runs up to k + 1 small forwards per step, so
-    on a GPU its launch overhead, not its weights, is most of its cost).
+    """The draft model's forwards, both runners: a FULL graph for a uniform forward (every
+    request the same query length, shared/runtime/draft_graphs.py), piecewise CUDA graphs
+    for the others, eager without graphs (on a GPU the draft's launch overhead, not its
+    weights, is most of its cost: it runs up to k + 1 small forwards per step).
 
-    A forward's inputs are copied into the persistent buffers and padded to the graph's
-    size: ids / positions 0 and PAD slots past the real tokens (they write no KV, belong
-    to no request in the metadata, and their rows are never read).
+    A forward's inputs are copied into the persistent buffers (unless the caller wrote
+    them there: a view of the buffer is not copied) and padded to the graph's size: ids /
+    positions 0 and PAD slots past the real tokens (they write no KV, belong to no request
+    in the metadata, and their rows are never read). `counts` tallies the forwards by the
+    mode they ran in ("full", "piecewise", "eager").
     """
 
-    def __init__(self, executor: ModelExecutor, max_num_tokens: int, capture_sizes: list[int],
+    def __init__(self, executor: ModelExecutor, max_num_tokens: int, graphs: DraftGraphConfig,
                  device: torch.device) -> None:
         self.executor = executor
         self.device = device
@@ -60,43 +57,76 @@ class DraftForward:
         self.positions = torch.zeros(max_num_tokens, dtype=torch.int64, device=device)
         self.slot_mapping = torch.full((max_num_tokens,), PAD_SLOT_ID, dtype=torch.int64,
                                        device=device)
-        self.capture_sizes = sorted(s for s in capture_sizes if s <= max_num_tokens)
+        self.graph_config = graphs
+        self.capture_sizes = sorted(s for s in graphs.piecewise_sizes if s <= max_num_tokens)
         self.piecewise: PiecewiseGraphs | None = None
+        # the FULL graphs' persistent metadata exists from the start: a proposer may write
+        # the step's seq_lens / block-table rows there in place
+        self.full = (DraftFullGraphs(executor, graphs.full_sizes, self.input_ids, self.positions,
+                                     self.slot_mapping) if graphs.full_sizes else None)
+        self.captured = False  # dispatch picks graphs only once they exist
+        self.counts = {"full": 0, "piecewise": 0, "eager": 0}
 
     def capture(self, pool: Any) -> None:
-        """Piecewise graphs of the draft model (CUDA only; a pool shared with the target's
-        graphs is fine: replays never overlap)."""
-        if not self.capture_sizes or self.device.type != "cuda":
+        """The draft's graphs (a pool shared with the target's graphs is fine: replays
+        never overlap). FULL first: its graphs keep their outputs alive in the pool, so no
+        later capture places scratch memory over them."""
+        if not self.graph_config.enabled:
             return
-        self.piecewise = PiecewiseGraphs(
-            self.executor.model, self.capture_sizes, self.input_ids, self.positions,
-            self.executor.dtype,
+        if self.full is not None:
+            self.full.capture(pool)
+        if self.capture_sizes:
+            self.piecewise = PiecewiseGraphs(
+                self.executor.model, self.capture_sizes, self.input_ids, self.positions,
+                self.executor.dtype,
+            )
+            self.piecewise.capture(pool, "draft")
+        self.captured = True
+
+    def plan(self, num_reqs: int, num_tokens: int, max_query_len: int) -> BatchDescriptor | None:
+        """The graph a forward of this shape runs (dispatch_draft over what is captured)."""
+        if not self.captured:
+            return None
+        return dispatch_draft(
+            num_reqs, num_tokens, max_query_len,
+            self.full.full_sizes if self.full is not None and self.full.graphs else {},
+            self.capture_sizes if self.piecewise is not None else [],
         )
-        self.piecewise.capture(pool, "draft")
 
     def __call__(self, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
                  common: CommonAttentionMetadata) -> torch.Tensor:
         """ids int32 / positions int64 / slots int64 [n]; `common` describes the n real
-        tokens (its slot_mapping is replaced). -> hidden states, rows [:n] valid."""
+        tokens (its slot_mapping is replaced). -> hidden states [n, hidden]."""
         n = ids.shape[0]
-        size = n
-        if self.piecewise is not None:
-            size = padded_size(n, self.capture_sizes) or n
+        desc = self.plan(common.num_reqs, n, common.max_query_len)
+        size = n if desc is None else desc.num_tokens
         if size > self.max_num_tokens:
             raise ValueError(f"draft forward of {n} tokens exceeds its {self.max_num_tokens}")
-        self.input_ids[:n].copy_(ids)
-        self.positions[:n].copy_(positions)
-        self.slot_mapping[:n].copy_(slots)
+        _copy_into(self.input_ids, ids, n)
+        _copy_into(self.positions, positions, n)
+        _copy_into(self.slot_mapping, slots, n)
         if size > n:
             self.input_ids[n:size].zero_()
             self.positions[n:size].zero_()
             self.slot_mapping[n:size].fill_(PAD_SLOT_ID)
+        if desc is not None and desc.mode == "FULL":
+            self.counts["full"] += 1
+            self.full.stage(desc, common)
+            return self.full.replay(desc)[:n]  # the padded rows are garbage
         common = dataclasses.replace(common, slot_mapping=self.slot_mapping[:size])
         attn_metadata = self.executor.build_attn_metadata(common)
-        if self.piecewise is not None and size in self.piecewise:
+        if desc is not None:
+            self.counts["piecewise"] += 1
             hidden = self.executor.forward(
                 self.input_ids[:size], self.positions[:size], attn_metadata, size,
                 cudagraph_mode="PIECEWISE", run=self.piecewise.run,
             )
-            return hidden[:n]  # the padded rows are garbage
+            return hidden[:n]
+        self.counts["eager"] += 1
         return self.executor.forward(self.input_ids[:n], self.positions[:n], attn_metadata, n)
+
+
+def _copy_into(dst: torch.Tensor, src: torch.Tensor, n: int) -> None:
+    """dst[:n] = src, unless src already is that view (the caller wrote it in place)."""
+    if src.data_ptr() != dst.data_ptr():
+        dst[:n].copy_(src)

@@ -27,7 +27,7 @@ DRAFT_KEY_STRIDE = 32
 
 
 def sample_draft(
-    logits: torch.Tensor, temperature: torch.Tensor, seeds: torch.Tensor,
+    logits: torch.Tensor, temperature: torch.Tensor | None, seeds: torch.Tensor | None,
     first_positions: torch.Tensor, index: int, want_probs: bool = True,
     all_greedy: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -36,14 +36,15 @@ def sample_draft(
     position of each proposal's first draft forward); index: which draft (0-based).
     Returns (draft tokens int64 [n], q float64 [n, V] or None when not wanted or every
     row is greedy). all_greedy: whether every row is greedy, from the caller's host state;
-    None reads it from `temperature` (a device sync on CUDA: the runners pass it)."""
+    None reads it from `temperature` (a device sync on CUDA: the runners pass it); when
+    True, temperature, seeds and first_positions are not read."""
     compute = torch.float64 if logits.dtype == torch.float64 else torch.float32
     x = logits.to(compute)
-    greedy = temperature == 0
     if all_greedy is None:
-        all_greedy = bool(greedy.all())
-    if all_greedy:
+        all_greedy = bool((temperature == 0).all())
+    if all_greedy:  # temperature, seeds and positions are not read (they may be None)
         return x.argmax(dim=-1), None
+    greedy = temperature == 0
     temp = torch.where(greedy, torch.ones_like(temperature), temperature).to(compute)
     scaled = x / temp[:, None]
     keys = first_positions.to(torch.int64) * DRAFT_KEY_STRIDE + index

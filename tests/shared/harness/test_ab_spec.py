@@ -254,6 +254,30 @@ def test_spec_configs_resolve_and_the_defaults_run_on_both_runners() -> None:
     assert spec_args.unique_labels([draft, draft]) == ["draft_model k=2", "draft_model k=2 #2"]
 
 
+def test_a_config_carries_kernel_options_for_its_own_engines() -> None:
+    """One run can compare kernel options: a --spec-configs object's "kernel_options"
+    (checked as KernelOptions) reach its engines over --kernel-options, not the baselines',
+    and name the config in the table."""
+    from shared.harness.ab_args import _engine_args, build_parser
+
+    [plain, gemv] = spec_args.parse_spec_configs(json.dumps([
+        DRAFT, {**DRAFT, "kernel_options": {"gemv_max_tokens": 4, "draft_full_graphs": False}}]))
+    assert gemv == {**plain, "kernel_options": {"gemv_max_tokens": 4, "draft_full_graphs": False}}
+    assert spec_args.unique_labels([plain, gemv]) == [
+        "draft_model k=2", "draft_model k=2 {draft_full_graphs=false,gemv_max_tokens=4}"]
+    args = build_parser().parse_args(
+        [*SPEC, "--model", "tiny-llama", "--kernel-options", '{"pdl": false}'])
+    base = _engine_args(args, "v2", "sync").kernel_options
+    with_plain = _engine_args(args, "v2", "sync", speculative=plain)
+    with_gemv = _engine_args(args, "v2", "sync", speculative=gemv)
+    assert (base.pdl, base.gemv_max_tokens, base.draft_full_graphs) == (False, 1, True)
+    assert with_plain.kernel_options == base
+    assert with_gemv.kernel_options == base.model_copy(
+        update={"gemv_max_tokens": 4, "draft_full_graphs": False})
+    assert with_gemv.speculative_config.model_dump(exclude_none=True) == {
+        k: v for k, v in plain.items()}
+
+
 SPEC = ["--workloads", "spec"]
 
 
@@ -271,6 +295,10 @@ SPEC = ["--workloads", "spec"]
      "--spec-configs config 0 (draft_model k=2): speculative_config.model"),
     (["--runners", "v2", "--spec-configs", json.dumps([NGRAM])],
      "--spec-configs config 0 (ngram k=2 n=1..2): no runner measured here runs it"),
+    (["--spec-configs", json.dumps([{**DRAFT, "kernel_options": {"gemv_max_tokens": -1}}])],
+     "--spec-configs: config 0 {"),
+    (["--spec-configs", json.dumps([{**DRAFT, "kernel_options": {"no_such": 1}}])],
+     "--spec-configs: config 0 {"),
     (["--spec-batch", "0"], "--spec-batch: 0 is not valid"),
     (["--spec-prompt-len", "x"], "--spec-prompt-len: 'x' is not an integer"),
     (["--spec-max-tokens", "0"], "--spec-max-tokens: 0 is not valid"),
