@@ -24,6 +24,8 @@ import os
 import shlex
 import sys
 import time
+from collections.abc import Mapping
+from types import SimpleNamespace
 
 import torch
 
@@ -43,6 +45,7 @@ from shared.harness.ab_args import (
     set_threads,
 )
 from shared.harness.ab_engines import (
+    OneEngineAtATime,
     build_engines,
     describe_engines,
     difference_warnings,
@@ -175,12 +178,19 @@ def run_ab(engines: dict[str, LLMEngine], settings: dict, args, device: torch.de
     start = time.perf_counter()
     identical = True
     jobs = _jobs(settings)
-    orders = {name: run_order(list(engines), settings["repeats"][name]) for name, _, _ in jobs}
-    bar = tqdm(total=sum(len(orders[n]) for n, _, _ in jobs), desc="ab", unit="run", file=sys.stderr)
+    grouped = isinstance(engines, OneEngineAtATime)
+    if grouped:
+        report["warnings"].append(
+            "tensor parallelism: the engines were built one at a time (a process joins one "
+            "torch.distributed group at a time), so each workload ran A-A-A-B-B-B, not "
+            "interleaved A-B-B-A")
+    orders = {label: run_order(list(engines), settings["repeats"][name], grouped, i % 2 == 1)
+              for i, (name, label, _) in enumerate(jobs)}
+    bar = tqdm(total=sum(len(o) for o in orders.values()), desc="ab", unit="run", file=sys.stderr)
     for name, label, fn in jobs:
         per_engine: dict[str, list[wl.RunResult]] = {e: [] for e in engines}
         run_s: dict[str, list[float]] = {e: [] for e in engines}
-        for engine in orders[name]:
+        for engine in orders[label]:
             t0 = time.perf_counter()
             with maybe_profile(args.profile, args.output_dir, engine, label):
                 per_engine[engine].append(fn(engines[engine], f"{engine}-{label}-{len(per_engine[engine])}-"))
@@ -202,14 +212,24 @@ def run_ab(engines: dict[str, LLMEngine], settings: dict, args, device: torch.de
     return report
 
 
-def _report_head(engines: dict[str, LLMEngine], settings: dict, device: torch.device) -> dict:
+def _snapshots(engines: Mapping[str, LLMEngine]) -> dict[str, SimpleNamespace]:
+    """What the head reads of each engine, each engine visited once (ab's engines may be
+    built one at a time: visiting one can replace the live one)."""
+    return {label: SimpleNamespace(
+        config=e.config, runner_name=e.runner_name, async_scheduling=e.async_scheduling,
+        startup_s=e.startup_s, capture_s=e.capture_s) for label, e in engines.items()}
+
+
+def _report_head(engines: Mapping[str, LLMEngine], settings: dict, device: torch.device) -> dict:
     """What ran where and with what, and the rates the floors divide by."""
     first = next(iter(engines.values()))
     dtype = first.model_config.torch_dtype
+    weight_bytes = first.runner.executor.weight_bytes(include_embedding=False)
     bandwidth = measure_read_bandwidth(device)
     gemm = measure_gemm_rate(device, dtype)
-    interpreted, caveats = interpreter_caveats(engines)
-    described = describe_engines(engines, settings)
+    seen = _snapshots(engines)
+    interpreted, caveats = interpreter_caveats(seen)
+    described = describe_engines(seen, settings)
     warnings = [settings["engine_loop_warning"]] if settings["engine_loop_warning"] else []
     return {
         "command": PROG,
@@ -224,13 +244,13 @@ def _report_head(engines: dict[str, LLMEngine], settings: dict, device: torch.de
         "v2_triton_interpreter": interpreted,
         "caveats": caveats,
         "settings": settings,
-        "weight_bytes": first.runner.executor.weight_bytes(include_embedding=False),
+        "weight_bytes": weight_bytes,
         "read_bandwidth_GBps": bandwidth / 1e9,
         "gemm_TFLOPs": gemm / 1e12,
         "gemm_dtype": str(dtype).removeprefix("torch."),
-        "startup_s": {r: e.startup_s for r, e in engines.items()},
-        "graph_capture_s": {r: e.capture_s for r, e in engines.items()},
-        "async_scheduling": {r: e.async_scheduling for r, e in engines.items()},
+        "startup_s": {r: e.startup_s for r, e in seen.items()},
+        "graph_capture_s": {r: e.capture_s for r, e in seen.items()},
+        "async_scheduling": {r: e.async_scheduling for r, e in seen.items()},
         "workloads": {},
     }
 

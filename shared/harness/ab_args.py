@@ -248,6 +248,13 @@ def check_flags(args: argparse.Namespace, settings: dict, device: str) -> None:
     refusal = spec_flag_refusal(args, workloads) or embed_flag_refusal(args, workloads, settings)
     if refusal:
         raise Refused(refusal)
+    tp = getattr(args, "tensor_parallel_size", 1) or 1
+    if tp > 1 and (SPEC in workloads or EMBED in workloads):
+        raise Refused(f"--workloads {','.join(workloads)} with --tensor-parallel-size {tp}: the "
+                      "spec and embed workloads keep several engines alive at once, and a "
+                      "process joins one tensor-parallel group at a time; run them with "
+                      "--tensor-parallel-size 1, or measure decode, prefill, churn and "
+                      "throughput under TP")
     share = getattr(args, "gpu_memory_utilization", None)
     engines = len(runners) * len(settings["engine_loops"])
     if share is not None and device == "cuda" and share * engines > 1:

@@ -10,6 +10,8 @@ form one group of the report and one block of the A-B-B-A order.
 from __future__ import annotations
 
 import argparse
+import functools
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -39,30 +41,81 @@ def engine_groups(labels: list[str]) -> list[list[str]]:
     return list(groups.values())
 
 
-def build_engines(args: argparse.Namespace, settings: dict) -> dict[str, LLMEngine]:
+def build_engines(args: argparse.Namespace, settings: dict) -> Mapping[str, LLMEngine]:
+    """Every engine up front; under tensor parallelism one at a time (OneEngineAtATime)."""
     from shared.serving.engine import LLMEngine
 
     specs = engine_specs(settings["runners"], settings["engine_loops"])
-    return {s.label: LLMEngine.from_engine_args(_engine_args(
-        args, s.runner, s.loop, concurrency(settings), num_engines=len(specs))) for s in specs}
+    alive = 1 if one_at_a_time(args) else len(specs)  # engines sharing the GPU at once
+    builders = {s.label: functools.partial(LLMEngine.from_engine_args, _engine_args(
+        args, s.runner, s.loop, concurrency(settings), num_engines=alive)) for s in specs}
+    if one_at_a_time(args):
+        return OneEngineAtATime(builders)
+    return {label: build() for label, build in builders.items()}
 
 
-def run_order(labels: list[str], runs: int) -> list[str]:
-    """A-B-B-A-A-B...: `runs` runs of each engine, alternating which goes first."""
+def one_at_a_time(args: argparse.Namespace) -> bool:
+    """Tensor parallelism: a process joins one torch.distributed group at a time, so ab's
+    engines (each with its own worker processes) cannot be alive together."""
+    return (getattr(args, "tensor_parallel_size", 1) or 1) > 1
+
+
+class OneEngineAtATime(Mapping):
+    """ab's engines by label, at most one alive: asking for another shuts the live one
+    down and builds the other. Each engine's set-up times are those of its first build.
+    run_order(..., grouped=True) keeps the rebuilds to about one per workload."""
+
+    def __init__(self, builders: dict[str, Any]):
+        self._builders = builders
+        self._live: tuple[str, LLMEngine] | None = None
+        self.builds: dict[str, int] = dict.fromkeys(builders, 0)
+
+    def __getitem__(self, label: str) -> LLMEngine:
+        if self._live is not None and self._live[0] == label:
+            return self._live[1]
+        self.release()
+        engine = self._builders[label]()
+        self.builds[label] += 1
+        self._live = (label, engine)
+        return engine
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._builders)
+
+    def __len__(self) -> int:
+        return len(self._builders)
+
+    def release(self) -> None:
+        if self._live is not None:
+            engine, self._live = self._live[1], None
+            engine.shutdown()
+            free_engines({"": engine})
+
+
+def run_order(labels: list[str], runs: int, grouped: bool = False, flip: bool = False) -> list[str]:
+    """A-B-B-A-A-B...: `runs` runs of each engine, alternating which goes first.
+    grouped: A-A-A-B-B-B (B first when flip), for engines built one at a time."""
+    if grouped:
+        return [label for label in (labels[::-1] if flip else labels) for _ in range(runs)]
     order: list[str] = []
     for i in range(runs):
         order += labels if i % 2 == 0 else labels[::-1]
     return order
 
 
-def free_engines(engines: dict[str, LLMEngine]) -> None:
+def free_engines(engines: Mapping[str, LLMEngine]) -> None:
     """Drop the engines (the caller holds no other reference) and give their memory back
     to the device, so that the next engines find it: model, KV cache and graphs."""
     import gc
 
     import torch
 
-    engines.clear()
+    if isinstance(engines, OneEngineAtATime):
+        engines.release()
+    else:
+        for engine in engines.values():
+            engine.shutdown()
+        engines.clear()
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
@@ -81,6 +134,7 @@ def describe_engines(engines: dict[str, LLMEngine], settings: dict) -> dict[str,
             "cudagraph_capture_sizes": list(cc.cudagraph_capture_sizes),
             "capture_sizes": summarize_sizes(cc.cudagraph_capture_sizes),
             "max_num_seqs": engine.config.scheduler_config.max_num_seqs,
+            "tensor_parallel_size": engine.config.parallel_config.tensor_parallel_size,
         }
     return out
 

@@ -66,6 +66,8 @@ def header_lines(report: dict) -> list[str]:
         lines.append("engines: " + "; ".join(
             f"{label.upper()} {e['engine_loop']} loop, graphs {e['cudagraph_mode']}"
             + ("" if not e["cudagraph_capture_sizes"] else f" at {e['capture_sizes']}")
+            + ("" if e.get("tensor_parallel_size", 1) == 1
+               else f", tensor parallel {e['tensor_parallel_size']}")
             for label, e in engines.items()))
     embed = report.get("workloads", {}).get("embed")
     if embed and list(report["workloads"]) != ["embed"]:  # (alone: they are the engines above)
