@@ -159,8 +159,12 @@ def _run_engines(
     for runner in runners:
         report.engines.append(runner)
         engine = build_engine(setup, runner, scenario.engine_kwargs())
-        runs[runner] = run_scenario(engine, scenario)
-        report.leaked_blocks[runner] = engine.num_total_kv_blocks() - engine.num_free_kv_blocks()
+        try:
+            runs[runner] = run_scenario(engine, scenario)
+            report.leaked_blocks[runner] = (
+                engine.num_total_kv_blocks() - engine.num_free_kv_blocks())
+        finally:
+            engine.shutdown()  # a TP engine's workers and group: the next one needs its own
     if "solo" in setup.engines:
         if scenario.solo and runners:
             report.engines.append("solo")

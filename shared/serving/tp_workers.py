@@ -48,6 +48,11 @@ def start_tp_runner(config: Any, device: str | torch.device, runner_cls: type) -
     """Rank 0's runner of a group of config.parallel_config.tensor_parallel_size ranks."""
     parallel = config.parallel_config
     size, timeout_s = parallel.tensor_parallel_size, parallel.distributed_timeout_s
+    if torch.distributed.is_initialized():
+        raise RuntimeError(
+            "this process already belongs to a torch.distributed group (another "
+            "tensor-parallel engine is alive, or the caller initialised one): a process joins "
+            "one group at a time; shut the other engine down first (engine.shutdown())")
     device = torch.device(device)
     env = torchrun_env()
     if env is not None:
