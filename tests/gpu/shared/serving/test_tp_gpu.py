@@ -42,4 +42,5 @@ def test_a_size_one_nccl_group_in_graphs_equals_no_group(runner, tmp_path):
     assert {"FULL", "PIECEWISE"} <= set(got["modes"]), got["modes"]
     engine = LLMEngine.from_engine_args(EngineArgs(model_runner=runner, **tp_gpu_script.ENGINE))
     want = tp_gpu_script.run(engine)
+    engine.shutdown()
     assert got["tokens"] == want["tokens"]
