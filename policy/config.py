@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, TypeAdapter
 from pydantic.dataclasses import dataclass
 
 from policy import features as feature_table
+from policy.batch_invariance import BatchInvariance
 from policy.errors import field_error as _fail
 from policy.kernel_options import KernelOptions
 from policy.logits_processors import LogitsProcessorSpec
@@ -108,6 +109,8 @@ class EngineConfig:
     # speculative_config.draft_model_config (method="draft_model").
     speculative_config: SpeculativeSettings | None = None
     kernel_options: KernelOptions = field(default_factory=KernelOptions)
+    # resolved from kernel_options.batch_invariant: what stays variant under this config
+    batch_invariance: BatchInvariance = field(default_factory=BatchInvariance)
     # resolved: class names and the runner interface each implements
     logits_processors: list[LogitsProcessorSpec] = field(default_factory=list)
     pooling_task: str | None = None

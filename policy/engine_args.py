@@ -21,6 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from policy import config as config_module
 from policy import envs
 from policy import features as feature_table
+from policy.batch_invariance import resolve_batch_invariance
 from policy.config import (
     EngineConfig,
     LoadConfig,
@@ -106,6 +107,11 @@ class EngineArgs(BaseModel):
         None, description='JSON, e.g. {"pooling_type": "MEAN", "normalize": false} or '
                           '{"use_activation": false}; needs pooling_task (policy/pooling.py)')
     enable_prompt_embeds: bool = Field(False, description="accept prompt embeddings as input")
+    batch_invariant: bool = Field(
+        False, description="batch-invariant kernels: a request's logits are bitwise the same "
+                           "alone or in any batch, at any position, in both runners "
+                           "(RUNNERLAB_BATCH_INVARIANT=1 also turns it on; "
+                           "policy/batch_invariance.py)")
     kernel_options: KernelOptions = Field(
         default_factory=KernelOptions,
         description='JSON: how the CUDA kernels are chosen and launched, e.g. {"pdl": false} '
@@ -117,7 +123,12 @@ class EngineArgs(BaseModel):
         config, _ = self._build(strict=True)
         for warning in config.runner_decision.warnings:
             logger.warning("%s", warning)
-        logger.info("%s", config.runner_decision.log_line())
+        line = config.runner_decision.log_line()
+        if config.batch_invariance.enabled:
+            for variant in config.batch_invariance.not_invariant:
+                logger.warning("Batch-invariant mode: not invariant: %s", variant)
+            line += "; batch-invariant mode on"
+        logger.info("%s", line)
         return config
 
     def create_explain_config(self) -> tuple[EngineConfig, list[str]]:
@@ -169,6 +180,10 @@ class EngineArgs(BaseModel):
                                           pooling_task=self.pooling_task)
         backend, backend_source = resolve_attention_backend(self.attention_backend, env_backend,
                                                             device)
+        kernel_opts = self._kernel_options()
+        invariance = resolve_batch_invariance(
+            kernel_opts.batch_invariant, attention_backend=backend,
+            tensor_parallel_size=parallel.tensor_parallel_size)
         load = LoadConfig(load_format=self.load_format, seed=self.seed,
                           weight_source=weight_source(model, self.load_format))
         blockers += run_blockers(model, load, backend) + _draft_blockers(speculative, load)
@@ -180,7 +195,7 @@ class EngineArgs(BaseModel):
             device_config={"device": device}, attention_backend=backend,
             attention_backend_source=backend_source, runner_decision=decision,
             speculative_config=speculative,
-            kernel_options=self._kernel_options(),
+            kernel_options=kernel_opts, batch_invariance=invariance,
             logits_processors=processors, pooling_task=self.pooling_task,
             pooler_config=pooler,
             enable_prompt_embeds=self.enable_prompt_embeds,
@@ -189,9 +204,14 @@ class EngineArgs(BaseModel):
 
 
     def _kernel_options(self) -> KernelOptions:
-        if envs.nvtx() and not self.kernel_options.nvtx:
-            return self.kernel_options.model_copy(update={"nvtx": True})
-        return self.kernel_options
+        """The kernel options with the switches that also have an argument or a variable:
+        each turns its option on, none turns one off."""
+        update = {}
+        if envs.nvtx():
+            update["nvtx"] = True
+        if self.batch_invariant or envs.batch_invariant():
+            update["batch_invariant"] = True
+        return self.kernel_options.model_copy(update=update) if update else self.kernel_options
 
 
 def run_blockers(model: ModelConfig, load: LoadConfig, attention_backend: str) -> list[str]:

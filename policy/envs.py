@@ -14,6 +14,7 @@ RUNNERLAB_USE_V2_MODEL_RUNNER = "RUNNERLAB_USE_V2_MODEL_RUNNER"
 RUNNERLAB_ATTENTION_BACKEND = "RUNNERLAB_ATTENTION_BACKEND"
 RUNNERLAB_LOGGING_LEVEL = "RUNNERLAB_LOGGING_LEVEL"
 RUNNERLAB_NVTX = "RUNNERLAB_NVTX"
+RUNNERLAB_BATCH_INVARIANT = "RUNNERLAB_BATCH_INVARIANT"
 
 _TRUE = ("1", "true")
 _FALSE = ("0", "false")
@@ -26,6 +27,8 @@ ENV_VARS = {
     RUNNERLAB_ATTENTION_BACKEND: "overrides attention_backend='auto': " + ", ".join(ATTENTION_BACKEND_VALUES),
     RUNNERLAB_LOGGING_LEVEL: "level of the 'runnerlab' logger: " + ", ".join(LOGGING_LEVEL_VALUES),
     RUNNERLAB_NVTX: "1/true: NVTX ranges around each runner stage (KernelOptions.nvtx)",
+    RUNNERLAB_BATCH_INVARIANT: "1/true: batch-invariant kernels (EngineArgs.batch_invariant); "
+                               "0/false or unset: the argument decides",
 }
 
 
@@ -85,12 +88,22 @@ def logging_level() -> str:
 
 def nvtx() -> bool:
     """RUNNERLAB_NVTX: NVTX ranges around each runner stage; False when unset."""
-    value = _raw(RUNNERLAB_NVTX)
+    return _flag(RUNNERLAB_NVTX)
+
+
+def _flag(name: str) -> bool:
+    value = _raw(name)
     if value is None:
         return False
     if value.lower() in _TRUE or value.lower() in _FALSE:
         return value.lower() in _TRUE
-    raise _bad(RUNNERLAB_NVTX, value, _TRUE + _FALSE)
+    raise _bad(name, value, _TRUE + _FALSE)
+
+
+def batch_invariant() -> bool:
+    """RUNNERLAB_BATCH_INVARIANT: turns the batch-invariant mode on; False when unset (it
+    never turns off a mode the arguments ask for)."""
+    return _flag(RUNNERLAB_BATCH_INVARIANT)
 
 
 def validate_all() -> None:
@@ -99,6 +112,7 @@ def validate_all() -> None:
     attention_backend()
     logging_level()
     nvtx()
+    batch_invariant()
 
 
 def describe() -> dict[str, str | None]:

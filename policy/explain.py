@@ -64,7 +64,9 @@ def explain_report(config: EngineConfig, blockers: list[str]) -> dict[str, Any]:
         "load_format": config.load_config.load_format,
         "weight_source": config.load_config.weight_source,
         "tensor_parallel_size": config.parallel_config.tensor_parallel_size,
+        "batch_invariant": config.batch_invariance.enabled,
     }
+    report["batch_invariance"] = config.batch_invariance.model_dump(mode="json")
     spec = config.speculative_config
     report["speculative_config"] = None if spec is None else _speculative_report(spec)
     pooler = config.pooler_config
@@ -155,6 +157,10 @@ def format_text(report: dict[str, Any]) -> str:
         f"  dims: {_dims(model)}",
         "Config: " + ", ".join(f"{k} {v}" for k, v in cfg.items() if k != "cudagraph_capture_sizes"),
     ]
+    invariance = report["batch_invariance"]
+    if invariance["enabled"]:
+        lines.append("Batch-invariant mode: on (a request's logits do not depend on its batch)")
+        lines += [f"  not invariant: {v}" for v in invariance["not_invariant"]]
     if report["speculative_config"] is not None:
         lines.append(_speculative_line(report["speculative_config"]))
     if report["pooler_config"] is not None:

@@ -148,6 +148,11 @@ FEATURES: tuple[Feature, ...] = (
         "broadcasts the tokens, every V2 rank samples the same tokens itself",
     ),
     Feature(
+        "batch-invariant mode", SUPPORTED, SUPPORTED, "batch_invariant=False",
+        lambda s: s["batch_invariant"],
+        "both runners (VLLM_BATCH_INVARIANT=1)",
+    ),
+    Feature(
         "pipeline parallelism > 1", UNSUPPORTED, UNSUPPORTED, "pipeline_parallel_size=1",
         lambda s: s["pipeline_parallel_size"] > 1,
         "both runners",
@@ -166,9 +171,11 @@ def _settings(obj: Any) -> dict[str, Any]:
         tp = obj.parallel_config.tensor_parallel_size
         pp = obj.parallel_config.pipeline_parallel_size
         async_scheduling = obj.scheduler_config.async_scheduling
+        batch_invariant = obj.batch_invariance.enabled
     else:
         mode, tp, pp = obj.cudagraph_mode, obj.tensor_parallel_size, obj.pipeline_parallel_size
         async_scheduling = obj.async_scheduling
+        batch_invariant = obj.batch_invariant or obj.kernel_options.batch_invariant
     return {
         "speculative_config": obj.speculative_config,
         "logits_processors": obj.logits_processors,
@@ -179,6 +186,7 @@ def _settings(obj: Any) -> dict[str, Any]:
         "tensor_parallel_size": tp,
         "pipeline_parallel_size": pp,
         "async_scheduling": async_scheduling,
+        "batch_invariant": batch_invariant,
     }
 
 

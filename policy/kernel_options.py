@@ -52,6 +52,12 @@ class KernelOptions(BaseModel):
         None, ge=1, description="KV splits of every decode launch; None: by batch and SM "
                                 "count (benchmarks)")
     nvtx: bool = Field(False, description="NVTX ranges around each runner stage")
+    batch_invariant: bool = Field(
+        False, description="every kernel on the step's path computes a row with a reduction "
+                           "order that does not depend on the batch: the fixed-tile matmul "
+                           "for every linear layer (no GEMV, no cuBLAS), one KV split and one "
+                           "launch config for both attention mappings (policy/"
+                           "batch_invariance.py; EngineArgs.batch_invariant sets it)")
     draft_full_graphs: bool = Field(
         True, description="a draft model's uniform forwards (every request the same query "
                           "length: its single-token drafts, a uniform catch-up) replay FULL "

@@ -25,6 +25,7 @@ from runner_v1.logits_processor import V1LogitsProcessors
 from runner_v1.sampling_metadata import SamplingMetadata
 from shared.contract.sampler_output import SamplerOutput
 from shared.sampling.noise import gumbel_noise
+from shared.sampling.top_ids import top_ids
 
 
 def compute_dtype(logits: torch.Tensor) -> torch.dtype:
@@ -234,7 +235,7 @@ def compute_logprobs(
     lse = torch.logsumexp(raw.to(torch.float64), dim=-1, keepdim=True)
     ids = tokens[:, None]
     if max_num_logprobs > 0:
-        top = torch.topk(raw, max_num_logprobs, dim=-1).indices
+        top = top_ids(raw, max_num_logprobs)
         ids = torch.cat([ids, top], dim=1)
     logprobs = (raw.gather(1, ids).to(torch.float64) - lse).to(raw.dtype)
     ranks = (raw > raw.gather(1, tokens[:, None])).sum(dim=-1) + 1

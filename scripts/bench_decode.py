@@ -38,6 +38,7 @@ _FLAGS = {  # mode -> the KernelOptions it sets
     "fusedkv": {"fused_decode_kv_write": "always"},
     "preload": {"decode_attention_preload": True},
     "nopreload": {"decode_attention_preload": False},
+    "bi": {"batch_invariant": True},
 }
 _NUMBERED = {  # attn<knob>N -> the KernelOptions field it sets to N
     "min": "attention_min_tiles_per_split", "tile": "attention_tile_n",
@@ -68,6 +69,8 @@ def make_engine(model: str, runner: str, eager: bool, max_num_seqs: int, sizes: 
       decode attention, whatever the batch (default: triton_backend's rule);
     - "preload" / "nopreload": the decode attention holds its first tile across the PDL
       wait always / never (default: preload_first_tile's rule);
+    - "bi": batch-invariant mode (policy/batch_invariance.py), to price it against the
+      row without;
     - "attnminN" / "attntileN" / "attnwarpsN" / "attnstagesN" / "attnsplitsN", N an integer:
       the unified attention's fewest tiles per split, single-query tile and warps, the fused
       decode kernel's pipeline stages, and N KV splits for every decode launch;
@@ -200,6 +203,7 @@ def main() -> int:
     p.add_argument("--qwen-runners", default="v1,v2",
                    help="qwen3-0.6b rows, comma-separated, with modes as --rows")
     p.add_argument("--qwen-graphs-only", action="store_true", help="no eager qwen3 rows")
+    p.add_argument("--qwen-batches", default="1,64,256,512", help="qwen3-0.6b batch sizes")
     args = p.parse_args()
     device = torch.device("cuda")
     bw = measure_read_bandwidth(device)
@@ -227,7 +231,8 @@ def main() -> int:
         with open(args.out, "w") as f:
             json.dump(report, f, indent=1)
     if not args.skip_qwen:
-        report["qwen3_0_6b_ladder"] = qwen_ladder(args.steps, [1, 64, 256, 512],
+        batches = [int(b) for b in args.qwen_batches.split(",")]
+        report["qwen3_0_6b_ladder"] = qwen_ladder(args.steps, batches,
                                                   args.qwen_runners.split(","),
                                                   not args.qwen_graphs_only)
     with open(args.out, "w") as f:

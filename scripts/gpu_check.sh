@@ -2,7 +2,7 @@
 # The GPU machine's one entry point: install what the image lacks from carried wheels,
 # run the gpu-marked tests, run the benchmarks, write everything under $OUT.
 #
-#   scripts/gpu_check.sh [gemv|tune|tests|boundary|attention|decode|profile|ab|ab_async|ab_embed|spec|ab_spec|builtins|sample_host|hf|all]...
+#   scripts/gpu_check.sh [gemv|tune|tests|boundary|attention|decode|profile|ab|ab_async|ab_embed|spec|ab_spec|builtins|sample_host|bi|bi_tests|bi_bench|ab_bi|hf|all]...
 #
 # Stages run in the order of this file, whatever the order of the arguments. gemv and tune
 # write a GEMV launch table to $OUT/gemv_configs.json (gemv per shape, tune llama-3-8b's
@@ -114,6 +114,33 @@ if want sample_host; then
     python3 scripts/profile_sample_host.py --model qwen3-0.6b --batch $b \
       --out "$OUT/sample_host_b$b.json" 2>&1 | grep -v "^INFO" | tee "$OUT/sample_host_b$b.txt"
   done
+fi
+if want bi || want bi_tests; then
+  # issue 26: the batch-invariant kernels' GPU tests, then V1 vs V2 vs solo bitwise over
+  # the differential scenarios (runners compared with logprob tolerance 0)
+  python3 -m pytest -q -m gpu -p no:cacheprovider -o addopts="" -rfE --durations=10 \
+    tests/gpu/shared/model/kernels/test_batch_invariant_matmul_gpu.py \
+    tests/gpu/shared/attention/test_batch_invariant_attention_gpu.py \
+    tests/gpu/shared/serving/test_batch_invariant_gpu.py 2>&1 | tee "$OUT/pytest_bi.log"
+  status=$((status | ${PIPESTATUS[0]}))
+  python3 -m shared.harness.cli diff --device cuda --dtype bfloat16 --batch-invariant \
+    ${DIFF_BI_ARGS:-} 2>&1 | grep -v "^INFO" | tee "$OUT/diff_bi.log"
+fi
+if want bi || want bi_bench; then
+  # issue 26: what the mode costs, each row beside the same engine without it, one process
+  python3 scripts/bench_batch_invariant_matmul.py --out "$OUT/bi_matmul.json" 2>&1 \
+    | tee "$OUT/bi_matmul.log"
+  python3 scripts/bench_decode.py --out "$OUT/decode_bi.json" --rows v1,v1-bi,v2,v2-bi \
+    --qwen-runners v1,v1-bi,v2,v2-bi --qwen-batches 64,256 --qwen-graphs-only \
+    --steps 30 2>&1 | grep -v "^INFO" | grep -v '^{' | tee "$OUT/decode_bi.log"
+  python3 scripts/profile_throughput.py --model qwen3-0.6b --runners v1a,v1a-bi,v2a,v2a-bi \
+    --out "$OUT/throughput_bi.json" 2>&1 | grep "^==" | tee "$OUT/throughput_bi.log"
+fi
+if want bi || want ab_bi; then
+  # issue 26: "tokens identical across runners" in bf16 with the mode, three workloads
+  python3 -m shared.harness.cli ab --model qwen3-0.6b --load-format dummy --dtype bfloat16 \
+    --device cuda --workloads decode,churn,throughput --engine-loop async --batch-invariant \
+    --output-dir "$OUT/ab_bi" 2>&1 | grep -v "^INFO" | tee "$OUT/ab_bi.log"
 fi
 if want hf; then
   python3 scripts/hf_throughput.py --model qwen3-0.6b --device cuda --out "$OUT/hf_throughput.json" \

@@ -6,6 +6,8 @@ schedule / update, runner execute / sample, output wait), split by step kind (pu
 decode vs steps with prefill), and optionally once under cProfile.
 
   python3 scripts/profile_throughput.py --model qwen3-0.6b --runners v1,v2 [--cprofile] [--out F]
+
+--runners v1a,v1a-bi,v2a,v2a-bi prices the batch-invariant mode side by side (issue 26).
 """
 
 from __future__ import annotations
@@ -26,10 +28,13 @@ from shared.harness import workloads as wl
 from shared.serving.engine import LLMEngine
 
 
-def _build(model: str, runner: str, async_scheduling: bool) -> LLMEngine:
+def _build(model: str, runner: str, async_scheduling: bool,
+           batch_invariant: bool = False) -> LLMEngine:
     from policy import EngineArgs
 
     extra = {"async_scheduling": True} if async_scheduling else {}
+    if batch_invariant:
+        extra["batch_invariant"] = True
     return LLMEngine.from_engine_args(EngineArgs(
         model=model, load_format="dummy", dtype="bfloat16", device="cuda", seed=0,
         model_runner=runner, max_num_seqs=256, max_num_batched_tokens=8192,
@@ -96,14 +101,19 @@ def _run(engine: LLMEngine, prompts, max_tokens, tag: str, step_fn=None) -> dict
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--model", default="qwen3-0.6b")
-    p.add_argument("--runners", default="v1,v2", help="comma list; 'v2a' = v2 with async scheduling")
+    p.add_argument("--runners", default="v1,v2",
+                   help="comma list; 'v2a' = v2 with async scheduling, a '-bi' suffix = "
+                        "batch-invariant mode (e.g. v2a-bi)")
     p.add_argument("--cprofile", action="store_true")
     p.add_argument("--out", default=None)
     args = p.parse_args()
     prompts, max_tokens = wl.nano_vllm_workload()
     report = {"gpu": torch.cuda.get_device_name(), "command": " ".join(sys.argv), "runners": {}}
     for name in args.runners.split(","):
-        engine = _build(args.model, name.rstrip("a"), name.endswith("a"))
+        base, _, mode = name.partition("-")
+        if mode not in ("", "bi"):
+            p.error(f"--runners: unknown mode {mode!r} in {name!r} (accepted: '-bi')")
+        engine = _build(args.model, base.rstrip("a"), base.endswith("a"), mode == "bi")
         # warm-up: enough prompt lengths and batch sizes that the timed run compiles no
         # Triton specialisation of its own
         _run(engine, prompts[:64], [32] * 64, "warm")

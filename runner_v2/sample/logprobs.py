@@ -14,6 +14,7 @@ import torch
 
 from runner_v2.sample.gumbel import load_logits, to_compute
 from shared.runtime.triton_utils import tl, triton
+from shared.sampling.top_ids import top_ids
 
 LOGPROBS_BLOCK = 1024
 
@@ -69,6 +70,6 @@ def compute_logprobs(
     ids = sampled[:, None]
     if max_num_logprobs > 0:
         # topk on the compute dtype, as V1 does, so ties break the same way
-        ids = torch.cat([ids, torch.topk(raw, max_num_logprobs, dim=-1).indices], dim=1)
+        ids = torch.cat([ids, top_ids(raw, max_num_logprobs)], dim=1)
     logprobs = (raw.gather(1, ids).to(torch.float64) - lse[:, None]).to(cdt)
     return ids, logprobs, ranks

@@ -107,6 +107,11 @@ class TritonAttentionImpl:
         self.max_num_splits = max_num_splits
 
     def splits_for(self, num_reqs_padded: int, device: torch.device) -> int:
+        # Batch-invariant mode: one split. A split count chosen from the batch would change
+        # a decode row's reduction order with its batch; a fixed split size would need the
+        # multi-query mapping to split its rows the same way (it does not split).
+        if kernel_options().batch_invariant:
+            return 1
         forced = self.num_splits or kernel_options().attention_num_splits
         if forced is not None:
             return forced
@@ -119,7 +124,9 @@ class TritonAttentionImpl:
         (see decode_attention)? Uniform decode only (no multi-query launch), and then as
         KernelOptions.fused_decode_kv_write says."""
         setting = kernel_options().fused_decode_kv_write
-        if metadata.run_multi_query or setting == "never":
+        # Batch-invariant mode: never (the fused kernel is a separate attention code path,
+        # which a prefill row does not take).
+        if metadata.run_multi_query or setting == "never" or kernel_options().batch_invariant:
             return False
         if setting == "always":
             return True

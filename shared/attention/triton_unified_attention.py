@@ -47,9 +47,26 @@ class _KernelConfig:
     num_stages: int
 
 
+def invariant_config(group: int, block_d: int, wide: bool) -> _KernelConfig:
+    """Batch-invariant mode: ONE config for both mappings, so a token's row sees the same
+    dot shapes, KV tiles (aligned to absolute key positions in either mapping) and online
+    softmax whether it is a decode row or a row of a prefill chunk. A fully masked extra
+    tile of the multi-query mapping leaves a row's running max, sum and output exactly as
+    they were (alpha = exp2(0) = 1, p = 0), so the tile count a program loops over does
+    not matter. BLOCK_M 16 (the fewest rows tl.dot takes): a decode row's GROUP heads fill
+    it without the 8x idle MMA rows the multi-query config's 128 would cost at batch 256."""
+    block_m = max(16, next_power_of_2(group))
+    if wide:
+        return _KernelConfig(block_m, block_m // group, 16, num_warps=4, num_stages=2)
+    tile_n = 64 if block_d <= 128 else 32
+    return _KernelConfig(block_m, block_m // group, tile_n, num_warps=4, num_stages=2)
+
+
 def single_query_config(group: int, block_d: int, wide: bool) -> _KernelConfig:
     # tl.dot needs M >= 16: the GROUP heads of one decode token fill the rows (the rest
     # are masked). Decode is bandwidth-bound, so the idle rows cost nothing that matters.
+    if kernel_options().batch_invariant:
+        return invariant_config(group, block_d, wide)
     block_m = max(16, next_power_of_2(group))
     if wide:  # see _multi_query_config
         return _KernelConfig(block_m, 1, 32, num_warps=8, num_stages=3)
@@ -63,6 +80,8 @@ def _multi_query_config(group: int, block_d: int, wide: bool) -> _KernelConfig:
     """wide: fp32/fp64 inputs, whose exact ("ieee") dot runs on CUDA cores with operands
     in registers; larger tiles than these spill heavily at head_dim 128 (checked by
     compiling for sm_90)."""
+    if kernel_options().batch_invariant:
+        return invariant_config(group, block_d, wide)
     if wide:
         block_m, tile_n, num_warps = max(32, next_power_of_2(group)), 16, 4
     else:

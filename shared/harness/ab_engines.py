@@ -135,6 +135,7 @@ def describe_engines(engines: dict[str, LLMEngine], settings: dict) -> dict[str,
             "capture_sizes": summarize_sizes(cc.cudagraph_capture_sizes),
             "max_num_seqs": engine.config.scheduler_config.max_num_seqs,
             "tensor_parallel_size": engine.config.parallel_config.tensor_parallel_size,
+            "batch_invariant": engine.config.batch_invariance.enabled,
         }
     return out
 

@@ -2,7 +2,7 @@
 
     runnerlab diff [--model M] [--dtype float64] [--device cpu|cuda] [--scenarios a,b]
                    [--seeds 0,1] [--engines v1,v2,v1-async,v2-async,hf,solo] [--quick] [--json]
-                   [--tensor-parallel-size N]
+                   [--tensor-parallel-size N] [--batch-invariant]
 
 Engines: `v1`, `v2` (the runners, forced by argument), `v1-async`, `v2-async` (the runner
 with the engine's async scheduling: step N+1 launched before step N's tokens are read
@@ -10,7 +10,9 @@ back), `hf` (transformers greedy on the
 same weights; greedy scenarios of a supported model only) and `solo` (each request
 alone through the first listed runner; scenarios that declare a solo reference). With
 --tensor-parallel-size N > 1 every runner engine gets a twin `<engine>-tpN` running on N
-ranks (torch.distributed), compared exactly with the rest. A
+ranks (torch.distributed), compared exactly with the rest. With --batch-invariant every
+engine runs the batch-invariant kernels and the runners, solo included, must agree
+bitwise (logprob tolerance 0 unless --logprob-tol says otherwise). A
 random-weight preset is materialised as a seeded HF checkpoint (one per seed) whenever
 `hf` is asked for, and every engine then runs on that directory.
 
@@ -114,6 +116,7 @@ class DiffSetup:
     hf_skip_reason: str | None = None
     logprob_tol: float = 1e-9
     hf_logprob_tol: float = 1e-5
+    batch_invariant: bool = False  # every engine in batch-invariant mode
 
 
 def build_engine(setup: DiffSetup, runner: str, engine_kwargs: dict[str, Any]):
@@ -127,6 +130,8 @@ def build_engine(setup: DiffSetup, runner: str, engine_kwargs: dict[str, Any]):
         kwargs["async_scheduling"] = True
     if tp > 1:
         kwargs["tensor_parallel_size"] = tp
+    if setup.batch_invariant:
+        kwargs["batch_invariant"] = True
     return LLMEngine.from_engine_args(EngineArgs(
         model=setup.model_path, dtype=setup.dtype, device=setup.device, seed=setup.seed,
         model_runner=runner, **kwargs,
@@ -247,14 +252,20 @@ def vocab_size_of(model: str) -> int:
 
 
 def run_diff(model: str, dtype: str, device: str, scenarios: list[str], seeds: list[int],
-             engines: list[str], logprob_tol: float | None = None) -> list[ScenarioReport]:
-    """Every scenario for every seed through `engines`; one report per (seed, scenario)."""
+             engines: list[str], logprob_tol: float | None = None,
+             batch_invariant: bool = False) -> list[ScenarioReport]:
+    """Every scenario for every seed through `engines`; one report per (seed, scenario).
+    batch_invariant: every engine in that mode, and runners compared bitwise unless
+    logprob_tol says otherwise."""
+    if batch_invariant and logprob_tol is None:
+        logprob_tol = 0.0
     reports = []
     hf_cache: dict[str, Any] = {}
     vocab = vocab_size_of(model)
     with tempfile.TemporaryDirectory(prefix="runnerlab-diff-") as workdir:
         for seed in seeds:
             setup = prepare(model, dtype, device, seed, engines, workdir, hf_cache)
+            setup.batch_invariant = batch_invariant
             if logprob_tol is not None:
                 setup.logprob_tol = logprob_tol
             for name in scenarios:
@@ -324,6 +335,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tensor-parallel-size", type=int, default=1,
                    help="N > 1: every runner engine also runs with N ranks (engine <name>-tpN) "
                         "and is compared with the others")
+    p.add_argument("--batch-invariant", action="store_true",
+                   help="every engine with batch-invariant kernels; runners must then agree "
+                        "bitwise (--logprob-tol 0 by default)")
     p.add_argument("--json", action="store_true", help="print one JSON document")
     return p
 
@@ -342,7 +356,7 @@ def diff_main(argv: list[str]) -> int:
     try:
         engines = with_tp_twins(args.engines, args.tensor_parallel_size)
         reports = run_diff(args.model, args.dtype, args.device, scenarios, args.seeds,
-                           engines, args.logprob_tol)
+                           engines, args.logprob_tol, batch_invariant=args.batch_invariant)
     except ValueError as exc:  # a bad model, dtype or device
         return usage_error(PROG, exc)
     except OSError as exc:  # a model file that cannot be read, a full temporary directory
@@ -389,15 +403,17 @@ def _document(args: argparse.Namespace, reports: list[ScenarioReport], wall_s: f
         scenarios.append(d)
     return {
         "model": args.model, "dtype": args.dtype, "device": args.device, "seeds": args.seeds,
-        "engines": args.engines, "scenarios": scenarios,
+        "engines": args.engines, "batch_invariant": args.batch_invariant,
+        "scenarios": scenarios,
         "all_agree": bool(reports) and all(r.agrees for r in reports),
         "wall_s": round(wall_s, 2),
     }
 
 
 def _print_table(doc: dict) -> None:
+    mode = ", batch-invariant kernels (runners compared bitwise)" if doc["batch_invariant"] else ""
     print(f"runnerlab diff: model {doc['model']}, {doc['dtype']} on {doc['device']}, "
-          f"seeds {','.join(map(str, doc['seeds']))}")
+          f"seeds {','.join(map(str, doc['seeds']))}{mode}")
     print(f"{'scenario':<22} {'seed':>4}  {'pair':<16} {'identical':<9} "
           f"{'first divergence':<22} {'max |dlogprob|':>14}")
     for s in doc["scenarios"]:

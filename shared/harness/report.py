@@ -68,6 +68,7 @@ def header_lines(report: dict) -> list[str]:
             + ("" if not e["cudagraph_capture_sizes"] else f" at {e['capture_sizes']}")
             + ("" if e.get("tensor_parallel_size", 1) == 1
                else f", tensor parallel {e['tensor_parallel_size']}")
+            + (", batch-invariant kernels" if e.get("batch_invariant") else "")
             for label, e in engines.items()))
     embed = report.get("workloads", {}).get("embed")
     if embed and list(report["workloads"]) != ["embed"]:  # (alone: they are the engines above)

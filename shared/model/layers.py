@@ -17,7 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from shared.model.kernels import fused_ops, gemv
+from shared.model.kernels import batch_invariant_matmul, fused_ops, gemv
+from shared.model.kernels.batch_invariant_cpu import invariant_linear_cpu
 from shared.model.sharding import (
     copy_logical_rows,
     logical_rows,
@@ -25,6 +26,7 @@ from shared.model.sharding import (
     shard_spec,
     zero_padding,
 )
+from shared.runtime.kernel_options import kernel_options
 
 # ---------------------------------------------------------------------------------------
 # config helpers
@@ -60,8 +62,15 @@ def check_no_sliding_window(cfg) -> None:
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x W^T (+ b): the GEMV kernel for a small batch on CUDA (e.g. the LM head at batch 1),
-    else F.linear."""
+    """x W^T (+ b): in batch-invariant mode the fixed-tile matmul on every device and for
+    every row count (cuBLAS, MKL and the GEMV pick their reduction order by the row count);
+    else the GEMV kernel for a small batch on CUDA (e.g. the LM head at batch 1), else
+    F.linear."""
+    if kernel_options().batch_invariant:
+        if x.is_cuda:
+            return batch_invariant_matmul.invariant_linear(x, weight, bias)
+        # the interpreter's float32 dot is not invariant (batch_invariant_matmul's docstring)
+        return invariant_linear_cpu(x, weight, bias)
     if x.dim() == 2 and x.stride(-1) == 1 and x.dtype == weight.dtype and gemv.use_gemv(x):
         return gemv.gemv(x, weight, bias)
     return F.linear(x, weight, bias)

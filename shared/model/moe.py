@@ -19,11 +19,16 @@ weight, added to the token's sum in expert order):
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from shared.distributed.group import current_tp_group
-from shared.model.layers import Linear, check_no_sliding_window, compute_dtype, silu_and_mul
+from shared.model.layers import (
+    Linear,
+    check_no_sliding_window,
+    compute_dtype,
+    linear,
+    silu_and_mul,
+)
 from shared.model.llama import LlamaForCausalLM, LlamaMLP
 from shared.model.sharding import ShardSpec, set_shard_spec
 
@@ -40,8 +45,10 @@ def select_experts(
 
 
 def _run_expert(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
-    # silu(gate) * up: one fused launch on CUDA, the same arithmetic elsewhere.
-    return F.linear(silu_and_mul(F.linear(x, w13)), w2)
+    # silu(gate) * up: one fused launch on CUDA, the same arithmetic elsewhere. `linear`:
+    # the batch-invariant matmul in that mode (the sparse path's expert batches are the
+    # tokens routed to it, whose count depends on the whole batch).
+    return linear(silu_and_mul(linear(x, w13)), w2)
 
 
 def moe_sparse(

@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from shared.contract.step import ModelRunnerOutput, PromptLogprobs, SchedulerOutput
+from shared.sampling.top_ids import top_ids
 
 # Rows per compute_logits pass: a long prefill chunk of one request would otherwise
 # materialise [chunk, vocab] logits plus a float64 copy at once (8192 x 128256 float32
@@ -49,7 +50,7 @@ def compute_prompt_logprobs(
     ids = target_ids.to(torch.int64)[:, None]
     if num_logprobs > 0:
         # topk on the compute dtype, as both samplers do, so ties break the same way
-        ids = torch.cat([ids, torch.topk(raw, num_logprobs, dim=-1).indices], dim=1)
+        ids = torch.cat([ids, top_ids(raw, num_logprobs)], dim=1)
     logprobs = (raw.gather(1, ids).to(torch.float64) - lse).to(raw.dtype)
     ranks = (raw > raw.gather(1, ids[:, :1])).sum(dim=-1) + 1
     return ids, logprobs, ranks

@@ -48,6 +48,8 @@ SUPPORTED_BY = {
     "async scheduling with speculative decoding": {"v2"},
     # one process, one device: no parallelism on either runner
     "tensor parallelism > 1": {"v1", "v2"},
+    # both runners share the model and its kernels, where the mode lives
+    "batch-invariant mode": {"v1", "v2"},
     "pipeline parallelism > 1": set(),
 }
 
@@ -93,6 +95,7 @@ SETTINGS = {
     "async scheduling with speculative decoding": {"async_scheduling": True,
                                                    "speculative_config": DRAFT},
     "tensor parallelism > 1": {"tensor_parallel_size": 2},
+    "batch-invariant mode": {"batch_invariant": True},
     "pipeline parallelism > 1": {"pipeline_parallel_size": 2},
 }
 
@@ -319,6 +322,19 @@ def _run_tp(runner: str):
     return run
 
 
+def _run_batch_invariant(runner: str):
+    """The mode reaches the engine's kernel options and gives the float64 tokens of V1
+    without it, greedy and seeded (its invariance: tests/shared/serving/
+    test_batch_invariant.py)."""
+    def run(monkeypatch):
+        kw = dict(model="tiny-llama", dtype="float64")
+        plain, _, _ = _generate(_engine(model_runner="v1", **kw), sampled=True)
+        engine = _engine(model_runner=runner, batch_invariant=True, **kw)
+        assert engine.config.kernel_options.batch_invariant
+        assert _generate(engine, sampled=True)[0] == plain
+    return run
+
+
 # ---- speculative decoding: greedy equals the plain engine; the rest against each other
 SPEC = dict(model="tiny-llama", dtype="float64")
 # prompts that repeat themselves, so the ngram proposer finds matches
@@ -509,6 +525,7 @@ RUNS = {
     ("rejection_sample_method='block'", "v2"): _run_block,
     ("async scheduling with speculative decoding", "v2"): _run_async_spec,
     **{("tensor parallelism > 1", r): _run_tp(r) for r in ("v1", "v2")},
+    **{("batch-invariant mode", r): _run_batch_invariant(r) for r in ("v1", "v2")},
 }
 SUPPORTED_PAIRS = [(f.label, r) for f in FEATURES for r in ("v1", "v2") if f.status(r) == SUPPORTED]
 def test_every_supported_feature_has_a_run():

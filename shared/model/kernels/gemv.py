@@ -77,10 +77,12 @@ _DEFAULT_CONFIG = (16, 512, 4, 3, 0)
 
 def use_gemv(x: torch.Tensor) -> bool:
     """The dispatch rule: CUDA, fused kernels and GEMVs on, at most gemv_max_tokens rows
-    (the engine's KernelOptions), a float type the kernels reduce in float32."""
+    (the engine's KernelOptions), a float type the kernels reduce in float32. Never in
+    batch-invariant mode: a row's GEMV result differs from its result at more rows."""
     options = kernel_options()
     return (
         options.gemv
+        and not options.batch_invariant
         and fused_ops.use_fused(x)
         and 0 < x.shape[0] <= options.gemv_max_tokens
         and x.dtype in (torch.bfloat16, torch.float16, torch.float32)

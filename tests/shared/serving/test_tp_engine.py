@@ -22,7 +22,7 @@ SEED = 0
 VOCAB = 512  # the tiny presets
 LOGPROB_TOL = 1e-9
 # tiny-llama runs every scenario; the other architectures one of each hard kind
-HARD_CASES = ("abort_resubmit", "seeded_preemption", "chunked_prefill", "prefix_cache")
+HARD_CASES = ("seeded_preemption", "chunked_prefill", "prefix_cache")
 CASES = ([("tiny-llama", s) for s in SCENARIOS]
          + [(m, s) for m in ("tiny-qwen3", "tiny-mixtral") for s in HARD_CASES])
 
