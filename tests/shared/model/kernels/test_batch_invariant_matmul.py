@@ -133,8 +133,3 @@ def test_config_rule_on_llama_shapes(monkeypatch):
     assert bim.invariant_config(4096, 40, bf16, cuda)[1] == 64
     assert bim.invariant_config(4096, 14336, bf16, "cpu") == bim._INTERPRETER_CONFIG
 
-
-def test_tall_tiles_need_fewer_stages():
-    assert bim._fit_stages(4, 16, 128, 128, 2) == 4  # the engine's tallest bf16 tile
-    assert bim._fit_stages(3, 16, 128, 32, 8) == 3  # and float64's
-    assert bim._fit_stages(4, 128, 128, 128, 2) == 2  # the experiment's
