@@ -36,13 +36,6 @@ class BatchInvariance(BaseModel):
     enabled: bool = False
     not_invariant: tuple[str, ...] = ()
 
-    def summary(self) -> str:
-        if not self.enabled:
-            return "off"
-        if not self.not_invariant:
-            return "on"
-        return "on (not invariant: " + "; ".join(self.not_invariant) + ")"
-
 
 def resolve_batch_invariance(enabled: bool, *, attention_backend: str,
                              tensor_parallel_size: int) -> BatchInvariance:

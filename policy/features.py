@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from policy import logits_processors
+from policy import envs, logits_processors
 
 Runner = Literal["v1", "v2"]
 Status = Literal["supported", "unsupported-yet"]
@@ -175,7 +175,8 @@ def _settings(obj: Any) -> dict[str, Any]:
     else:
         mode, tp, pp = obj.cudagraph_mode, obj.tensor_parallel_size, obj.pipeline_parallel_size
         async_scheduling = obj.async_scheduling
-        batch_invariant = obj.batch_invariant or obj.kernel_options.batch_invariant
+        batch_invariant = (obj.batch_invariant or obj.kernel_options.batch_invariant
+                           or envs.batch_invariant())
     return {
         "speculative_config": obj.speculative_config,
         "logits_processors": obj.logits_processors,

@@ -62,17 +62,21 @@ def check_no_sliding_window(cfg) -> None:
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x W^T (+ b): in batch-invariant mode the fixed-tile matmul on every device and for
-    every row count (cuBLAS, MKL and the GEMV pick their reduction order by the row count);
-    else the GEMV kernel for a small batch on CUDA (e.g. the LM head at batch 1), else
-    F.linear."""
+    """x W^T (+ b): the GEMV kernel for a small batch on CUDA (e.g. the LM head at batch 1),
+    else `matmul` (never the GEMV in batch-invariant mode: use_gemv says no)."""
+    if x.dim() == 2 and x.stride(-1) == 1 and x.dtype == weight.dtype and gemv.use_gemv(x):
+        return gemv.gemv(x, weight, bias)
+    return matmul(x, weight, bias)
+
+
+def matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x W^T (+ b) without the GEMV path: in batch-invariant mode the fixed-order matmul
+    (cuBLAS and MKL pick their reduction order by the row count), else F.linear."""
     if kernel_options().batch_invariant:
         if x.is_cuda:
             return batch_invariant_matmul.invariant_linear(x, weight, bias)
         # the interpreter's float32 dot is not invariant (batch_invariant_matmul's docstring)
         return invariant_linear_cpu(x, weight, bias)
-    if x.dim() == 2 and x.stride(-1) == 1 and x.dtype == weight.dtype and gemv.use_gemv(x):
-        return gemv.gemv(x, weight, bias)
     return F.linear(x, weight, bias)
 
 

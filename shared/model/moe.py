@@ -26,7 +26,7 @@ from shared.model.layers import (
     Linear,
     check_no_sliding_window,
     compute_dtype,
-    linear,
+    matmul,
     silu_and_mul,
 )
 from shared.model.llama import LlamaForCausalLM, LlamaMLP
@@ -45,10 +45,10 @@ def select_experts(
 
 
 def _run_expert(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
-    # silu(gate) * up: one fused launch on CUDA, the same arithmetic elsewhere. `linear`:
+    # silu(gate) * up: one fused launch on CUDA, the same arithmetic elsewhere. `matmul`:
     # the batch-invariant matmul in that mode (the sparse path's expert batches are the
-    # tokens routed to it, whose count depends on the whole batch).
-    return linear(silu_and_mul(linear(x, w13)), w2)
+    # tokens routed to it, whose count depends on the whole batch), else F.linear.
+    return matmul(silu_and_mul(matmul(x, w13)), w2)
 
 
 def moe_sparse(
