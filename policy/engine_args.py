@@ -16,7 +16,7 @@ import types
 import typing
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from policy import config as config_module
 from policy import envs
@@ -48,6 +48,9 @@ from policy.speculative import SpeculativeSettings, resolve_speculative
 
 logger = logging.getLogger("runnerlab")
 
+# dtype spellings vLLM takes besides the canonical names
+DTYPE_ALIASES = {"half": "float16", "float": "float32", "double": "float64"}
+
 
 class EngineArgs(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
@@ -56,7 +59,8 @@ class EngineArgs(BaseModel):
     load_format: Literal["auto", "dummy"] = Field(
         "auto", description="auto: the model's weights (tiny presets: seeded random); dummy: random")
     dtype: Literal["auto", "float32", "float64", "bfloat16", "float16"] = Field(
-        "auto", description="auto: float32 on CPU; on CUDA the checkpoint's half type, else bfloat16")
+        "auto", description="auto: float32 on CPU; on CUDA the checkpoint's half type, else "
+                            "bfloat16; vLLM's aliases half, float and double are taken too")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto: cuda when available")
     seed: int = Field(0, description="seed of random weights and of unseeded requests")
     model_runner: Literal["auto", "v1", "v2"] = Field(
@@ -116,6 +120,12 @@ class EngineArgs(BaseModel):
         default_factory=KernelOptions,
         description='JSON: how the CUDA kernels are chosen and launched, e.g. {"pdl": false} '
                     '(policy/kernel_options.py; RUNNERLAB_NVTX=1 turns on its nvtx)')
+
+    @field_validator("dtype", mode="before")
+    @classmethod
+    def _dtype_alias(cls, value: Any) -> Any:
+        """vLLM's spellings of a dtype -> the canonical name (stored, logged, explained)."""
+        return DTYPE_ALIASES.get(value, value) if isinstance(value, str) else value
 
     def create_engine_config(self) -> EngineConfig:
         """Validate, resolve and decide, for running. Raises ValueError on anything that
@@ -288,6 +298,8 @@ def add_engine_args(parser: argparse.ArgumentParser, *, require_model: bool = Tr
             kwargs["action"] = argparse.BooleanOptionalAction
         elif typing.get_origin(kind) is Literal:
             kwargs["choices"] = list(typing.get_args(kind))
+            if name == "dtype":
+                kwargs["choices"] += list(DTYPE_ALIASES)
         elif kind in (int, float):
             kwargs["type"] = kind
         elif typing.get_origin(kind) is list:

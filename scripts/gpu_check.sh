@@ -2,7 +2,7 @@
 # The GPU machine's one entry point: install what the image lacks from carried wheels,
 # run the gpu-marked tests, run the benchmarks, write everything under $OUT.
 #
-#   scripts/gpu_check.sh [gemv|tune|tests|boundary|attention|decode|profile|ab|ab_async|ab_embed|spec|ab_spec|builtins|sample_host|bi|bi_tests|bi_bench|ab_bi|hf|all]...
+#   scripts/gpu_check.sh [gemv|tune|tests|boundary|attention|decode|profile|ab|ab_async|ab_embed|spec|ab_spec|builtins|sample_host|bi|bi_tests|bi_bench|ab_bi|serve|hf|all]...
 #
 # Stages run in the order of this file, whatever the order of the arguments. gemv and tune
 # write a GEMV launch table to $OUT/gemv_configs.json (gemv per shape, tune llama-3-8b's
@@ -10,11 +10,13 @@
 # explicit step, done by hand after reading the run (copy the fetched file over
 # shared/model/kernels/gemv_configs.json and commit it with the run's results). The later
 # stages measure the package's table. GEMV_ARGS, TUNE_ARGS, DECODE_ARGS and GPU_TESTS pass
-# arguments on; SPEC_VARIANTS and SPEC_CONFIGS replace the spec stages' variants.
+# arguments on; SPEC_VARIANTS and SPEC_CONFIGS replace the spec stages' variants;
+# SERVE_PROMPTS and SERVE_RATES the serve stage's workload.
 #
 # Run through the device tool from the repository root, carrying `.whl`:
 #   python3 -m pip download ... -d .whl pydantic==2.14.4 pydantic-core==2.50.5 \
-#       annotated-types typing-inspection          (see README "GPU machine")
+#       annotated-types typing-inspection fastapi==0.163.2 starlette==1.10.0 \
+#       uvicorn==0.54.0 opentelemetry-api==1.45.2       (see README "GPU machine")
 set -uo pipefail
 OUT="${OUT:-$(pwd)/out}"
 mkdir -p "$OUT"
@@ -141,6 +143,16 @@ if want bi || want ab_bi; then
   python3 -m shared.harness.cli ab --model qwen3-0.6b --load-format dummy --dtype bfloat16 \
     --device cuda --workloads decode,churn,throughput --engine-loop async --batch-invariant \
     --output-dir "$OUT/ab_bi" 2>&1 | grep -v "^INFO" | tee "$OUT/ab_bi.log"
+fi
+if want serve; then
+  # issue 27: online serving, V1 and V2 with async scheduling, three request rates from
+  # under load to saturation (inf: every request at once), nano-vllm's workload
+  python3 -m shared.harness.cli bench serve --model qwen3-0.6b --load-format dummy \
+    --dtype bfloat16 --device cuda --async-scheduling --runners v1,v2 \
+    --num-prompts ${SERVE_PROMPTS:-256} --request-rate ${SERVE_RATES:-4,16,inf} \
+    --json "$OUT/bench_serve.json" --png "$OUT/bench_serve.png" 2>&1 \
+    | grep -v "^INFO" | tee "$OUT/bench_serve.log"
+  status=$((status | ${PIPESTATUS[0]}))
 fi
 if want hf; then
   python3 scripts/hf_throughput.py --model qwen3-0.6b --device cuda --out "$OUT/hf_throughput.json" \

@@ -7,6 +7,11 @@ from pathlib import Path
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # One intra-op thread per test worker (and per process it starts: TP ranks, CLI
+    # runs), as many workers as cores: two workers of two OpenMP threads each on the CI
+    # machine's two cores made every small op wait for a descheduled thread.
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import torch  # noqa: E402
 

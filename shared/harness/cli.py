@@ -1,4 +1,5 @@
-"""The `runnerlab` console script: explain | generate | ab | diff | embed | classify.
+"""The `runnerlab` console script: explain | generate | serve | bench serve | ab | diff |
+embed | classify.
 
 Engine options are flags named after the EngineArgs fields (--model-runner v1,
 --max-model-len 2048, --load-format dummy). Logs go to stderr, results to stdout.
@@ -20,6 +21,8 @@ USAGE = """runnerlab <command> [options]
 commands:
   explain    which runner the policy picks for a model, and why (no GPU, no weights)
   generate   generate text or token ids with either runner
+  serve      an OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions)
+  bench      `bench serve`: TTFT / TPOT / ITL of V1 and V2 servers under Poisson arrivals
   ab         the A/B step-time comparison of V1 and V2 (the main job)
   diff       the differential correctness harness: V1 vs V2 vs Hugging Face
   embed      embeddings of prompts (a pooling engine, pooling_task='embed')
@@ -32,6 +35,11 @@ def main(argv: list[str] | None = None) -> int:
     if not argv or argv[0] in ("-h", "--help"):
         print(USAGE)
         return 0 if argv else 2
+    if argv[0] == "--version":
+        from importlib.metadata import version
+
+        print(f"runnerlab {version('runnerlab')}")
+        return 0
     command, rest = argv[0], argv[1:]
     if command == "explain":
         from policy.explain import explain_main
@@ -39,6 +47,18 @@ def main(argv: list[str] | None = None) -> int:
         return explain_main(rest, prog="runnerlab explain")
     if command == "generate":
         return generate_main(rest)
+    if command == "serve":
+        from shared.harness.serve_cli import serve_main
+
+        return serve_main(rest)
+    if command == "bench":
+        if rest[:1] != ["serve"]:
+            print("runnerlab bench: error: the benchmark is `runnerlab bench serve ...`",
+                  file=sys.stderr)
+            return 2
+        from shared.harness.bench_serve import bench_serve_main
+
+        return bench_serve_main(rest[1:])
     if command == "ab":
         from shared.harness.ab import ab_main
 
@@ -141,34 +161,14 @@ def _generate_refusal(args: argparse.Namespace) -> str | None:
     return None
 
 
-def chat_prompt_token_ids(tokenizer, text: str) -> list[int]:
-    """One user turn through the model's chat template, as token ids.
-
-    Tokenized by the template itself: the template already writes any BOS it wants, and
-    encoding its text again would add a second one with a tokenizer that adds BOS. The
-    return type moved across transformers releases (a list of ids; in 5.x a dict-like
-    BatchEncoding by default), so every form is accepted.
-    """
-    out = tokenizer.apply_chat_template(
-        [{"role": "user", "content": text}], tokenize=True, add_generation_prompt=True
-    )
-    if hasattr(out, "keys") and "input_ids" in out:
-        out = out["input_ids"]
-    if hasattr(out, "tolist"):
-        out = out.tolist()
-    if out and isinstance(out[0], (list, tuple)):  # a batch of one
-        out = out[0]
-    return [int(t) for t in out]
-
-
 def _collect_prompts(args: argparse.Namespace, llm) -> list:
+    from shared.serving.chat import chat_prompt_token_ids
+
     prompts: list = []
     for text in args.prompt or []:
         if args.chat:
-            tok = llm.get_tokenizer()
-            if tok is None:
-                raise ValueError("--chat needs a model with a tokenizer and chat template")
-            prompts.append(chat_prompt_token_ids(tok, text))
+            prompts.append(chat_prompt_token_ids(llm.get_tokenizer(),
+                                                 [{"role": "user", "content": text}]))
         else:
             prompts.append(text)
     prompts += args.prompt_ids or []  # lists of ints: parsed and checked by argparse

@@ -395,6 +395,7 @@ class LLMEngine:
             finished=update.finished,
             prompt_logprobs=prompt_logprobs_output(req, self.tokenizer),
             spec_decode_stats=req.spec_decode_stats if self.num_speculative_tokens else None,
+            metrics=req.times.as_dict(),
         )
 
     def _check_kv_fits_one_request(self, num_blocks: int) -> None:

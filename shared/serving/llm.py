@@ -15,10 +15,12 @@ from shared.serving.engine import EngineInputError, LLMEngine
 from shared.serving.llm_pooling import PoolingAPI
 
 # One prompt as LLM.generate takes it: text, or token ids as a list / tuple of ints (NumPy
-# integer scalars too), a 1-D integer NumPy array or a 1-D integer torch tensor.
-Prompt = str | Sequence[int] | np.ndarray | torch.Tensor
+# integer scalars too), a 1-D integer NumPy array or a 1-D integer torch tensor, or vLLM's
+# prompt dicts {"prompt": text} / {"prompt_token_ids": ids}.
+Prompt = str | Sequence[int] | np.ndarray | torch.Tensor | dict[str, Any]
 _FORMS = ("a str, a list of token ids, a 1-D or 2-D integer NumPy array or torch tensor, "
-          "or a sequence of those")
+          'a dict {"prompt": str} or {"prompt_token_ids": ids}, or a sequence of those')
+_DICT_KEYS = ("prompt", "prompt_token_ids")
 
 
 def _is_token_id(x: object) -> bool:
@@ -67,9 +69,31 @@ def _token_list(seq: Sequence[Any], where: str) -> list[Any]:
     return items
 
 
+def _dict_prompt(prompt: dict[Any, Any], where: str) -> str | list[Any]:
+    """vLLM's TextPrompt / TokensPrompt: exactly one of the two keys."""
+    keys = [k for k in _DICT_KEYS if k in prompt]
+    extra = [k for k in prompt if k not in _DICT_KEYS]
+    if extra or len(keys) != 1:
+        raise EngineInputError(
+            f"{where} is a dict with keys {sorted(map(str, prompt))}; a prompt dict has exactly "
+            'one key: "prompt" (text) or "prompt_token_ids" (token ids)')
+    value = prompt[keys[0]]
+    if keys[0] == "prompt":
+        if not isinstance(value, str):
+            raise EngineInputError(f'{where}["prompt"] is a {type(value).__name__}; pass text '
+                                   'as a str, or token ids under "prompt_token_ids"')
+        return value
+    if isinstance(value, str):
+        raise EngineInputError(f'{where}["prompt_token_ids"] is a str; pass token ids, or '
+                               'text under "prompt"')
+    return _one_prompt(value, f'{where}["prompt_token_ids"]')
+
+
 def _one_prompt(prompt: Any, where: str) -> str | list[Any]:
     if isinstance(prompt, str):
         return prompt
+    if isinstance(prompt, dict):
+        return _dict_prompt(prompt, where)
     if isinstance(prompt, (np.ndarray, torch.Tensor)):
         return _array_rows(prompt, where, max_ndim=1)[0]
     if isinstance(prompt, Sequence):
@@ -85,6 +109,8 @@ def normalize_prompts(prompts: Any) -> list[str | list[Any]]:
     raises EngineInputError before anything is queued."""
     if isinstance(prompts, str):
         return [prompts]
+    if isinstance(prompts, dict):
+        return [_dict_prompt(prompts, "prompts")]
     if isinstance(prompts, (np.ndarray, torch.Tensor)):
         return _array_rows(prompts, "prompts", max_ndim=2)
     if isinstance(prompts, bytes) or not isinstance(prompts, Sequence):
@@ -140,6 +166,27 @@ class LLM(PoolingAPI):
                     "SamplingParams, or one per prompt"
                 )
         return self._run(self._add_all(prompts, params_list), prompts, use_tqdm)
+
+    def chat(
+        self,
+        messages: Sequence[dict[str, str]] | Sequence[Sequence[dict[str, str]]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        add_generation_prompt: bool = True,
+    ) -> list[RequestOutput]:
+        """Generate replies to one conversation ([{"role": ..., "content": ...}, ...]) or to
+        a list of them, each through the model's chat template (as `runnerlab serve`'s
+        /v1/chat/completions does)."""
+        from shared.serving.chat import chat_prompt_token_ids
+
+        if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence) or not messages:
+            raise EngineInputError("messages is a conversation (a non-empty list of "
+                                   '{"role", "content"} dicts) or a list of conversations')
+        conversations = [messages] if isinstance(messages[0], dict) else list(messages)
+        tokenizer = self.engine.tokenizer
+        prompts = [chat_prompt_token_ids(tokenizer, list(c), add_generation_prompt)
+                   for c in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def _add_all(self, prompts: Sequence[Any], params_list: Sequence[Any]) -> list[str]:
         """Queue every prompt with its params (SamplingParams, or PoolingParams on a

@@ -41,6 +41,7 @@ class ParentRequest:
         self._latest: list[CompletionOutput | None] = [None] * n
         self._finished = [False] * n
         self._first: RequestOutput | None = None  # child 0's latest (prompt, logprobs)
+        self._metrics: list[dict[str, float]] = [{} for _ in range(n)]
 
     @property
     def finished(self) -> bool:
@@ -50,6 +51,7 @@ class ParentRequest:
         completion = dataclasses.replace(output.outputs[0], index=index)
         self._latest[index] = completion
         self._finished[index] = output.finished
+        self._metrics[index] = output.metrics
         if index == 0 or self._first is None:
             self._first = output
 
@@ -65,4 +67,21 @@ class ParentRequest:
             finished=self.finished,
             prompt_logprobs=first.prompt_logprobs if self._latest[0] is not None else None,
             spec_decode_stats=first.spec_decode_stats,
+            metrics=self._merged_metrics(),
         )
+
+    def _merged_metrics(self) -> dict[str, float]:
+        """The parent's times: the earliest first-times over its samples, the latest last
+        token, and a finish time once every sample has one."""
+        out: dict[str, float] = {}
+        for key, pick in (("arrival_time", min), ("first_scheduled_time", min),
+                          ("first_token_time", min), ("last_token_time", max)):
+            values = [m[key] for m in self._metrics if key in m]
+            if values:
+                out[key] = pick(values)
+        finished = [m.get("finished_time") for m in self._metrics]
+        if all(t is not None for t in finished):
+            out["finished_time"] = max(finished)  # type: ignore[type-var]
+        if "first_scheduled_time" in out:
+            out["time_in_queue"] = out["first_scheduled_time"] - out["arrival_time"]
+        return out

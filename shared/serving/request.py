@@ -8,6 +8,7 @@ the block manager's bookkeeping) can never confuse the two.
 from __future__ import annotations
 
 import enum
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -87,6 +88,7 @@ class Request:
         self.pooling_params: Any = None
         self.pooler_output: Any = None
         self.spec_decode_stats = SpecDecodeStats()
+        self.times = RequestTimes(arrival_time=time.time())
 
     def __repr__(self) -> str:
         return (
@@ -123,6 +125,33 @@ class Request:
     def append_output_token_id(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
         self._all_token_ids.append(token_id)
+
+
+@dataclass
+class RequestTimes:
+    """When a request reached each point of its life (time.time() seconds, vLLM's
+    RequestOutput.metrics): set once each, by the engine (arrival) and the scheduler."""
+
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    finished_time: float | None = None
+
+    def mark_scheduled(self) -> None:
+        if self.first_scheduled_time is None:  # a preempted request keeps its first
+            self.first_scheduled_time = time.time()
+
+    def mark_token(self) -> None:
+        self.last_token_time = time.time()
+        if self.first_token_time is None:
+            self.first_token_time = self.last_token_time
+
+    def as_dict(self) -> dict[str, float]:
+        out = {k: v for k, v in vars(self).items() if v is not None}
+        if self.first_scheduled_time is not None:
+            out["time_in_queue"] = self.first_scheduled_time - self.arrival_time
+        return out
 
 
 @dataclass

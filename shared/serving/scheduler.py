@@ -43,6 +43,7 @@ half-done update applied are reported by the next update, so nothing is lost.
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -188,6 +189,7 @@ class Scheduler:
 
     def _finish(self, request: Request, status: RequestStatus) -> None:
         request.status = status
+        request.times.finished_time = time.time()
         self.kv_cache_manager.free(request)
         del self.requests[request.request_id]
         self.finished_req_ids.add(request.request_id)
@@ -314,6 +316,7 @@ class Scheduler:
             self.waiting.popleft()
             request.num_computed_tokens = num_hit_tokens
             request.status = RequestStatus.RUNNING
+            request.times.mark_scheduled()
             self.running.append(request)
             step.add_new(request, num_new)
             self._assume_drafts(request, step)
@@ -395,6 +398,7 @@ class Scheduler:
             if request.status == RequestStatus.RUNNING:
                 request.num_computed_tokens -= len(drafts) - num_accepted
             request.spec_decode_stats.record(len(drafts), num_accepted)
+        request.times.mark_token()
         new_token_ids: list[int] = []
         for token_id in sampled:
             request.append_output_token_id(token_id)

@@ -201,10 +201,10 @@ def test_cli_generate_chat_answers_paris():
 
 @pytest.mark.slow
 def test_chat_prompt_is_tokenized_once_by_the_template(smollm2_tokenizer):
-    from shared.harness.cli import chat_prompt_token_ids
+    from shared.serving.chat import chat_prompt_token_ids
 
     tok = smollm2_tokenizer
-    ids = chat_prompt_token_ids(tok, CHAT_PROMPTS[0])
+    ids = chat_prompt_token_ids(tok, [{"role": "user", "content": CHAT_PROMPTS[0]}])
     assert ids == _chat_reference_ids(tok, CHAT_PROMPTS[0])
     assert ids[0] == tok.bos_token_id and ids[1] != tok.bos_token_id  # one BOS, not two
     assert tok.decode(ids).startswith("<|im_start|>system")
@@ -217,6 +217,7 @@ class _FakeTokenizer:
     with tokenize=True (the forms seen across transformers releases)."""
 
     BOS = 1
+    chat_template = "[user] {{ messages[0].content }}"
 
     def __init__(self, form: str):
         self.form = form

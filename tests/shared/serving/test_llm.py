@@ -8,6 +8,8 @@ leaves nothing queued.
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 import torch
@@ -62,6 +64,11 @@ GOOD_FORMS = {
     "list of tensors": ([torch.tensor(B), torch.tensor(C)], [B, C]),
     "tuple of mixed forms": ((np.array(A), torch.tensor(B), tuple(C), [np.int64(t) for t in A]),
                              [A, B, C, A]),
+    # vLLM's prompt dicts
+    "prompt_token_ids dict": ({"prompt_token_ids": A}, [A]),
+    "list of prompt dicts": ([{"prompt_token_ids": A}, {"prompt_token_ids": np.array(B)}],
+                             [A, B]),
+    "dicts mixed with lists": ([{"prompt_token_ids": tuple(C)}, A], [C, A]),
 }
 
 
@@ -74,6 +81,11 @@ def test_every_form_normalises_to_lists_of_python_ints(form):
     # tensors come out as Python ints
     for p in got:
         assert all(isinstance(t, (int, np.integer)) and not isinstance(t, bool) for t in p)
+
+
+def test_a_text_prompt_dict_is_its_text():
+    assert normalize_prompts({"prompt": "hi"}) == ["hi"]
+    assert normalize_prompts([{"prompt": "a"}, "b", {"prompt_token_ids": A}]) == ["a", "b", A]
 
 
 @pytest.mark.parametrize("form", list(GOOD_FORMS))
@@ -123,7 +135,11 @@ BAD_FORMS = {
     "set": (set(A), "prompts has type set"),
     "int": (5, "prompts has type int"),
     "None": (None, "prompts has type NoneType"),
-    "dict inside a batch": ([A, {"ids": B}], "prompt 1 has type dict"),
+    "dict with an unknown key": ([A, {"ids": B}], "prompt 1 is a dict with keys ['ids']"),
+    "dict with both keys": ({"prompt": "x", "prompt_token_ids": A}, "exactly one key"),
+    "text dict holding ids": ({"prompt": A}, 'prompts["prompt"] is a list'),
+    "ids dict holding text": ([{"prompt_token_ids": "abc"}], 'prompt 0["prompt_token_ids"] is a str'),
+    "ids dict holding floats": ({"prompt_token_ids": [1.5]}, "flat list of ints"),
 }
 
 
@@ -131,7 +147,7 @@ BAD_FORMS = {
 def test_bad_form_is_refused_before_anything_is_queued(served, form):
     llm, _ = served
     prompts, message = BAD_FORMS[form]
-    with pytest.raises(EngineInputError, match=message.replace("(", r"\(").replace(")", r"\)")):
+    with pytest.raises(EngineInputError, match=re.escape(message)):
         llm.generate(prompts, PARAMS, use_tqdm=False)
     assert_idle(llm)
 

@@ -1,0 +1,137 @@
+"""A response's outputs -> OpenAI bodies: the whole response, or its event stream.
+
+Both read a ResponseStream (one engine request per prompt; request i is prompt i) and
+number choices as OpenAI does: prompt i's sample j is choice i * n + j.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+from shared.contract.outputs import CompletionOutput, RequestOutput
+from shared.contract.sampling_params import SamplingParams
+from shared.serving.api.async_engine import EngineStepError, ResponseStream
+from shared.serving.api.protocol import ChatCompletionRequest
+from shared.serving.api.responses import (
+    ChoiceDelta,
+    ResponseHeader,
+    chat_logprobs,
+    choice_extras,
+    completion_logprobs,
+    holdback_for,
+    output_choices,
+    sse,
+    usage,
+)
+
+
+def _is_chat(req: Any) -> bool:
+    return isinstance(req, ChatCompletionRequest)
+
+
+def _header(req: Any, model: str, chunk: bool) -> ResponseHeader:
+    if _is_chat(req):
+        return ResponseHeader.new("chatcmpl", "chat.completion.chunk" if chunk
+                                  else "chat.completion", model)
+    return ResponseHeader.new("cmpl", "text_completion", model)
+
+
+def _logprobs(req: Any, c: CompletionOutput, first: int, end: int, offset: int) -> Any:
+    if c.logprobs is None:
+        return None
+    ids, entries = c.token_ids[first:end], c.logprobs[first:end]
+    if _is_chat(req):
+        return chat_logprobs(entries, ids, req.top_logprobs or 0)
+    return completion_logprobs(entries, ids, offset)
+
+
+def _usage(outputs: list[RequestOutput]) -> dict[str, int]:
+    return usage(sum(len(o.prompt_token_ids) for o in outputs),
+                 sum(len(c.token_ids) for o in outputs for c in o.outputs))
+
+
+async def final_outputs(stream: ResponseStream, order: list[str], req: Any,
+                        params: list[SamplingParams], model: str) -> dict[str, Any]:
+    """The non-streamed body, once every request has finished."""
+    latest: dict[str, RequestOutput] = {}
+    async for out in stream:
+        latest[out.request_id] = out
+    outputs = [latest[r] for r in order]
+    choices = []
+    for index, c in output_choices(outputs, req.n):
+        ids = c.token_ids if req.return_token_ids else None
+        choice: dict[str, Any] = {"index": index}
+        if _is_chat(req):
+            choice["message"] = {"role": "assistant", "content": c.text}
+        else:
+            choice["text"] = c.text
+        choice["logprobs"] = _logprobs(req, c, 0, len(c.token_ids), 0)
+        choice.update(choice_extras(c, True, ids))
+        choices.append(choice)
+    return _header(req, model, chunk=False).body(choices, usage=_usage(outputs))
+
+
+class _Choice:
+    """One streamed choice: what has been sent, and where its logprob offsets are."""
+
+    def __init__(self, holdback: int) -> None:
+        self.delta = ChoiceDelta(holdback)
+        self.text_offset = 0  # completions logprobs: characters of the tokens sent
+        self.done = False
+        self.started = False  # chat: the role has been sent
+
+
+def _chunk_choice(req: Any, state: _Choice, index: int, c: CompletionOutput,
+                  finished: bool) -> dict[str, Any] | None:
+    """This step's chunk for one choice, or None when it has nothing to send."""
+    text, first, end = state.delta.advance(c, finished)
+    if not (text or finished or (req.return_token_ids and end > first)):
+        return None
+    logprobs = _logprobs(req, c, first, end, state.text_offset)
+    if logprobs is not None and not _is_chat(req):
+        state.text_offset += sum(len(t) for t in logprobs["tokens"])
+    choice: dict[str, Any] = {"index": index}
+    if _is_chat(req):
+        choice["delta"] = {"content": text} if text or not finished else {}
+    else:
+        choice["text"] = text
+    choice["logprobs"] = logprobs
+    choice.update(choice_extras(c, finished, c.token_ids[first:end]
+                                if req.return_token_ids else None))
+    return choice
+
+
+async def response_events(stream: ResponseStream, order: list[str], req: Any,
+                  params: list[SamplingParams], model: str) -> AsyncIterator[str]:
+    header = _header(req, model, chunk=True)
+    prompt_of = {rid: i for i, rid in enumerate(order)}
+    choices: dict[int, _Choice] = {}
+    latest: dict[str, RequestOutput] = {}
+    try:
+        async for out in stream:
+            latest[out.request_id] = out
+            p = prompt_of[out.request_id]
+            for c in out.outputs:
+                index = p * req.n + c.index
+                state = choices.setdefault(index, _Choice(holdback_for(params[p])))
+                if state.done:  # n > 1: a finished sample repeats in its parent's outputs
+                    continue
+                if _is_chat(req) and not state.started:
+                    state.started = True
+                    yield sse(header.body([{"index": index, "delta": {"role": "assistant",
+                                                                      "content": ""},
+                                            "logprobs": None, "finish_reason": None}]))
+                finished = c.finish_reason is not None
+                state.done = finished
+                choice = _chunk_choice(req, state, index, c, finished)
+                if choice is not None:
+                    yield sse(header.body([choice]))
+    except EngineStepError as exc:
+        yield sse({"error": {"message": str(exc), "type": "InternalServerError",
+                             "param": None, "code": 500}})
+        yield sse("[DONE]")
+        return
+    if req.include_usage:
+        yield sse(header.body([], usage=_usage([latest[r] for r in order])))
+    yield sse("[DONE]")
