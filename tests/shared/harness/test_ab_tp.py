@@ -29,6 +29,7 @@ def test_ab_under_tensor_parallelism(tmp_path, monkeypatch):
     stdout = io.StringIO()
     with contextlib.redirect_stdout(stdout):
         rc = ab_main(["--quick", "--steps", "2", "--batch-sizes", "1,2", "--workloads", "decode",
+                      "--repeats", "1",
                       "--tensor-parallel-size", "2", "--output-dir", str(tmp_path)])
     assert rc == 0, stdout.getvalue()
     report = json.loads((tmp_path / "ab.json").read_text())
