@@ -162,7 +162,7 @@ def main() -> int:
         parser.error(f"unknown shapes {unknown}; known: {list(SHAPES)}")
     report = {"command": " ".join(["python3", *sys.argv]),
               "device": torch.cuda.get_device_name(), "torch": torch.__version__,
-              "triton": triton.__version__, "num_sms": bim._num_sms(torch.cuda.current_device()),
+              "triton": triton.__version__, "num_sms": torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count,
               "timings": [], "experiment": []}
     for name in names:
         report["timings"] += time_shape(name, args.rep)

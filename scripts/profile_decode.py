@@ -2,7 +2,8 @@
 unless --eager), the top GPU kernels by device time and the top CPU ops by self time.
 
   python3 scripts/profile_decode.py --model qwen3-0.6b --batch 1 [--runner v2] [--eager]
-      [--pdl] [--async-scheduling] [--nano-prompts] [--out DIR]
+      [--pdl] [--async-scheduling] [--nano-prompts] [--batch-invariant] [--prompt-len N]
+      [--out DIR]
 
 --nano-prompts takes the prompts of the throughput workload (lengths 100-1024, ragged
 contexts as in `runnerlab ab --workloads throughput`) instead of 128 tokens each.
@@ -35,6 +36,9 @@ def main() -> int:
                         "its wait for the one before, so per-kernel times overlap")
     p.add_argument("--async-scheduling", action="store_true")
     p.add_argument("--nano-prompts", action="store_true")
+    p.add_argument("--batch-invariant", action="store_true",
+                   help="batch-invariant mode (issue 26): where its step's time goes")
+    p.add_argument("--prompt-len", type=int, default=128)
     args = p.parse_args()
     from policy import EngineArgs
     from policy.kernel_options import KernelOptions
@@ -44,14 +48,17 @@ def main() -> int:
 
         prompts = nano_vllm_workload(num_requests=args.batch)[0]
     else:
-        prompts = [[(i * 7 + j) % 1000 + 1 for j in range(128)] for i in range(args.batch)]
+        prompts = [[(i * 7 + j) % 1000 + 1 for j in range(args.prompt_len)]
+                   for i in range(args.batch)]
     # KV blocks for every prompt plus its 64 outputs (and a margin): no preemption
     engine = LLMEngine.from_engine_args(EngineArgs(
         model=args.model, load_format="dummy", dtype="bfloat16", device="cuda", seed=0,
         model_runner=args.runner, enforce_eager=args.eager, max_num_seqs=max(8, args.batch),
-        max_model_len=2048, num_gpu_blocks_override=sum(-(-(len(p) + 80) // 16) for p in prompts),
+        max_model_len=2048, num_gpu_blocks_override=max(
+            2048 // 16, sum(-(-(len(p) + 80) // 16) for p in prompts)),
         enable_prefix_caching=False, kernel_options=KernelOptions(pdl=args.pdl),
         async_scheduling=args.async_scheduling, max_num_batched_tokens=8192,
+        batch_invariant=args.batch_invariant,
     ))
     params = SamplingParams(max_tokens=64, temperature=0.6, seed=0, ignore_eos=True)
     for i, prompt in enumerate(prompts):

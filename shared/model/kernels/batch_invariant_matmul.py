@@ -9,8 +9,8 @@ of the other rows. This kernel gets that by construction:
 
 - The tile: up to TALL_ROWS rows, BLOCK_M 16 (tl.dot's smallest tile) with BLOCK_N and
   BLOCK_K from `invariant_config(N, K, dtype, device)`: the decode steps' weight
-  streaming. Above it, TALL_CONFIG's 128 x 128 tiles (wgmma on sm_90), which prefill
-  needs: at BLOCK_M 16 an 8192-row GEMM ran 4.6-14.6x cuBLAS's time on the H200. Tile
+  streaming; up to MEDIUM_ROWS, 64-row tiles (large decode batches). Above it,
+  TALL_CONFIG's 128 x 128 tiles (wgmma on sm_90), which prefill needs: at BLOCK_M 16 an 8192-row GEMM ran 4.6-14.6x cuBLAS's time on the H200. Tile
   shape changes which program computes an element, not its order: on the H200 a 16-,
   32-, 64- and 128-row tile (mma.sync and wgmma) and other BLOCK_N / BLOCK_K gave every
   element bitwise the same on llama-3-8b's five shapes (scripts/
@@ -48,15 +48,16 @@ invariant in float32 too, and far faster than the interpreter.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
 from shared.runtime.triton_utils import INTERPRET, next_power_of_2, tl, triton
 
 BLOCK_M = 16  # every row count: see the module docstring
-_BLOCK_NS = (128, 64, 32, 16)  # the widest that still gives PROGRAMS_PER_SM at M = 1
-PROGRAMS_PER_SM = 2
+_BLOCK_NS = (64, 32, 16)  # the widest that still gives MIN_PROGRAMS column blocks
+# Column blocks a weight needs at M = 1 to stream at the read bandwidth: llama-3-8b's
+# o_proj (N = 4096) streams at BLOCK_N 64 (64 blocks) as fast as at 32 on the H200
+# (scripts/sweep_bi_matmul_decode.py; docs/results/ for the run), so 64 blocks suffice.
+MIN_PROGRAMS = 64
 # Under the interpreter a program's cost is Python per op: few, wide programs; 64 still
 # leaves a test's N and K of a few hundred several tiles (partial last ones included).
 _INTERPRETER_CONFIG = (64, 64, 4, 1)
@@ -68,11 +69,11 @@ _MAX_GRID_Y = 65535  # CUDA's limit on grid dimension 1 (the N blocks)
 # for 2-byte types (fp32/fp64 keep the small tiles: their exact dots run on CUDA cores).
 TALL_ROWS = 64
 TALL_CONFIG = (128, 128, 64, 8, 3)
-
-
-@functools.cache
-def _num_sms(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
+# Between TALL_ROWS and MEDIUM_ROWS rows (large decode batches) 128 x 128 tiles leave a
+# small model's weight with a few dozen programs (qwen3-0.6b's o_proj at 256 rows: 16):
+# 64-row tiles with the small tiles' BLOCK_N instead. The tile does not change the bits.
+MEDIUM_ROWS = 512
+MEDIUM_TILE = (64, 64, 4, 4)  # BLOCK_M, BLOCK_K, num_warps, num_stages
 
 
 def invariant_config(n: int, k: int, dtype: torch.dtype,
@@ -80,20 +81,19 @@ def invariant_config(n: int, k: int, dtype: torch.dtype,
     """(BLOCK_N, BLOCK_K, num_warps, num_stages) for a weight of n rows by k columns.
 
     A function of the weight's shape and dtype and of the device, never of the row count,
-    so every M runs the same binary. BLOCK_N: the widest of 128/64/32/16 that still gives
-    2 programs per SM at M = 1 (the decode step streams the weight; the H200's 132 SMs
-    need >= 264 programs), else 16. BLOCK_K (clipped to K): 128 for 2-byte types (long
-    cp.async bursts per stage), 32 for fp32/fp64, whose exact dots keep their operands in
-    registers. Picked by reasoning, not yet measured: the bench script times them."""
+    so every M runs the same binary. BLOCK_N: the widest of 64/32/16 that still gives
+    MIN_PROGRAMS column blocks, else 16. BLOCK_K (clipped to K): 128 for 2-byte types with
+    6 stages in flight (the H200 sweep's best near M = 1 and M = 64 together on
+    llama-3-8b's shapes), 32 for fp32/fp64, whose exact dots keep their operands in
+    registers. Every config the sweep tried gave the same bits (the order of an element's
+    k-steps does not depend on the tile), so this is a speed choice only."""
     device = torch.device(device)
     if INTERPRET or device.type != "cuda":
         return _INTERPRETER_CONFIG
-    index = torch.cuda.current_device() if device.index is None else device.index
-    wanted = PROGRAMS_PER_SM * _num_sms(index)
-    block_n = next((b for b in _BLOCK_NS if triton.cdiv(n, b) >= wanted), _BLOCK_NS[-1])
+    block_n = next((b for b in _BLOCK_NS if triton.cdiv(n, b) >= MIN_PROGRAMS), _BLOCK_NS[-1])
     wide = dtype.itemsize >= 4
     block_k = min(32 if wide else 128, max(16, next_power_of_2(k)))
-    return block_n, block_k, 4, 3 if wide else 4
+    return block_n, block_k, 4, 3 if wide else 6
 
 
 def _dot_dtype(dtype: torch.dtype):
@@ -190,8 +190,12 @@ def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
         if block_m is None:
             block_m = BLOCK_M
             if m > TALL_ROWS and x.is_cuda and not INTERPRET and x.element_size() == 2:
-                block_m, *rest = TALL_CONFIG
-                config = tuple(rest)
+                if m > MEDIUM_ROWS:
+                    block_m, *rest = TALL_CONFIG
+                    config = tuple(rest)
+                else:
+                    block_m, block_k, warps, stages = MEDIUM_TILE
+                    config = (config[0], min(block_k, config[1]), warps, stages)
         _launch(rows, weight, bias, out, config, block_m)
     return out.to(x.dtype).reshape(*lead, n)
 

@@ -117,19 +117,18 @@ def test_f_linear_fails_the_same_check():
     assert _positions_that_differ(F.linear, 200, 130, True) != []
 
 
-def test_config_rule_on_llama_shapes(monkeypatch):
-    """BLOCK_N: the widest of 128/64/32/16 giving >= 2 programs per SM at M = 1 (264 on
-    an H200), else 16; BLOCK_K from the dtype (clipped to K); one config under the
-    interpreter. No M anywhere in the signature: the row count cannot pick the config."""
+def test_config_rule_on_llama_and_qwen_shapes(monkeypatch):
+    """BLOCK_N: the widest of 64/32/16 giving >= 64 column blocks, else 16; BLOCK_K from
+    the dtype (clipped to K); one config under the interpreter. No M anywhere in the
+    signature: the row count cannot pick the config."""
     monkeypatch.setattr(bim, "INTERPRET", False)
-    monkeypatch.setattr(bim, "_num_sms", lambda index: 132)
     cuda, bf16 = torch.device("cuda", 0), torch.bfloat16
     block_ns = {n: bim.invariant_config(n, 4096, bf16, cuda)[0]
-                for n in (6144, 4096, 28672, 128256, 8448, 8416, 64)}
-    assert block_ns == {6144: 16, 4096: 16, 28672: 64, 128256: 128, 8448: 32, 8416: 16,
-                        64: 16}
-    assert bim.invariant_config(4096, 14336, bf16, cuda) == (16, 128, 4, 4)
-    assert bim.invariant_config(4096, 14336, torch.float32, cuda) == (16, 32, 4, 3)
+                for n in (6144, 4096, 28672, 128256, 2048, 2016, 1024, 64)}
+    assert block_ns == {6144: 64, 4096: 64, 28672: 64, 128256: 64, 2048: 32, 2016: 16,
+                        1024: 16, 64: 16}
+    assert bim.invariant_config(4096, 14336, bf16, cuda) == (64, 128, 4, 6)
+    assert bim.invariant_config(4096, 14336, torch.float32, cuda) == (64, 32, 4, 3)
     assert bim.invariant_config(4096, 40, bf16, cuda)[1] == 64
     assert bim.invariant_config(4096, 14336, bf16, "cpu") == bim._INTERPRETER_CONFIG
 
