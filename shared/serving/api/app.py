@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import re
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -22,6 +23,7 @@ from shared.contract.sampling_params import SamplingParams
 from shared.serving.api.async_engine import AsyncEngine, EngineStepError, ResponseStream
 from shared.serving.api.metrics import CONTENT_TYPE, ServerMetrics
 from shared.serving.api.protocol import (
+    CHAT_FIELD_NAMES,
     APIError,
     ChatCompletionRequest,
     CompletionRequest,
@@ -139,7 +141,7 @@ async def _respond(request: Request, state: ServerState, req: Any, prompts: list
             await stream.add(f"{request_base}-{i}", prompt, sp)
     except EngineInputError as exc:
         stream.abort()
-        raise APIError(400, str(exc), "prompt") from exc
+        raise APIError(400, str(exc), _refused_field(str(exc), req)) from exc
     except BaseException:
         stream.abort()
         raise
@@ -148,6 +150,17 @@ async def _respond(request: Request, state: ServerState, req: Any, prompts: list
         events = response_events(stream, order, req, params, state.model_name)
         return StreamingResponse(_guarded(events, stream), media_type="text/event-stream")
     return await _until_done_or_disconnect(request, stream, order, req, params, state)
+
+
+def _refused_field(message: str, req: Any) -> str:
+    """The request field an engine refusal names: a SamplingParams field by its request
+    name (chat's top_logprobs is SamplingParams.logprobs), else the prompt (its length,
+    an id outside the vocabulary, ...)."""
+    found = re.search(r"SamplingParams\.(\w+)", message)
+    if found is None:
+        return "prompt"
+    names = CHAT_FIELD_NAMES if isinstance(req, ChatCompletionRequest) else {}
+    return names.get(found.group(1), found.group(1))
 
 
 async def _guarded(events: AsyncIterator[str], stream: ResponseStream) -> AsyncIterator[str]:

@@ -168,12 +168,12 @@ class ChatCompletionRequest(_SamplingFields):
         kwargs["max_tokens"] = _max_tokens(
             self.max_tokens if self.max_tokens is not None else self.max_completion_tokens,
             name, prompt_len, max_model_len)
-        return build_sampling_params(kwargs, _CHAT_NAMES)
+        return build_sampling_params(kwargs, CHAT_FIELD_NAMES)
 
 
 # SamplingParams field -> the request field a refusal names, where they differ
 _COMPLETION_NAMES: dict[str, str] = {}
-_CHAT_NAMES = {"logprobs": "top_logprobs"}
+CHAT_FIELD_NAMES = {"logprobs": "top_logprobs"}
 
 
 def _max_tokens(value: int | None, name: str, prompt_len: int, max_model_len: int) -> int:

@@ -137,6 +137,8 @@ BAD_REQUESTS = [
     ("text without a tokenizer", {"prompt": "hello"}, 400, "prompt"),
     ("prompt over max_model_len", {"prompt": [1] * 200}, 400, "prompt"),
     ("token id outside the vocabulary", {"prompt": [10**6]}, 400, "prompt"),
+    ("logit_bias id outside the vocabulary", {"prompt": [1], "logit_bias": {"100000": 1.0}},
+     400, "logit_bias"),
     ("negative temperature", {"prompt": [1], "temperature": -1}, 400, "temperature"),
     ("top_p above 1", {"prompt": [1], "top_p": 1.5}, 400, "top_p"),
     ("max_tokens 0", {"prompt": [1], "max_tokens": 0}, 400, "max_tokens"),
