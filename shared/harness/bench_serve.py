@@ -38,9 +38,14 @@ from policy.model_config import build_model_config
 from shared.harness import bench_serve_client as client
 from shared.harness import bench_serve_report as reporting
 from shared.harness.bench_serve_client import LoadSettings, RequestSpec
-from shared.harness.bench_serve_server import ServerError, managed_server, terminate_on_sigterm
+from shared.harness.bench_serve_server import (
+    PROG,
+    PROJECT_ROOT,
+    ServerError,
+    managed_server,
+    terminate_on_sigterm,
+)
 
-PROG = "runnerlab bench serve"
 RUNNERS = ("v1", "v2")
 NANO_VLLM_LEN = (100, 1024)  # nano-vllm's bench.py: prompt and output lengths uniform in it
 
@@ -306,7 +311,7 @@ def report_head(args: argparse.Namespace, argv: list[str], runners: list[str]) -
         "model": args.model, "served_model": {},
         "runners": [args.label or "server"] if args.base_url else runners,
         "base_url": args.base_url, "engine_flags": engine_flag_argv(args),
-        "git_commit": reporting.git_commit(str(Path(__file__).resolve().parents[2])),
+        "git_commit": reporting.git_commit(str(PROJECT_ROOT)),
         "workload": {
             "name": args.workload, "num_prompts": args.num_prompts,
             "input_len": list(args.input_len or NANO_VLLM_LEN)

@@ -57,10 +57,8 @@ def serve_main(argv: list[str]) -> int:
     from shared.contract.sampling_params import SamplingParamsError
     from shared.serving.engine import EngineInputError, LLMEngine
 
-    server_flags = ("host", "port", "served_model_name", "uvicorn_log_level")
     try:
-        engine_args = engine_args_from_namespace(
-            argparse.Namespace(**{k: v for k, v in vars(args).items() if k not in server_flags}))
+        engine_args = engine_args_from_namespace(args)  # reads the EngineArgs flags only
         refusal = cpu_noop_refusal(args, engine_args.device)
         if refusal:
             return usage_error(SERVE, refusal)

@@ -148,9 +148,17 @@ class RequestTimes:
             self.first_token_time = self.last_token_time
 
     def as_dict(self) -> dict[str, float]:
-        out = {k: v for k, v in vars(self).items() if v is not None}
+        """The times set so far. Built for every output of every step when streaming, so
+        spelled out rather than walked with vars()."""
+        out = {"arrival_time": self.arrival_time}
         if self.first_scheduled_time is not None:
+            out["first_scheduled_time"] = self.first_scheduled_time
             out["time_in_queue"] = self.first_scheduled_time - self.arrival_time
+        if self.first_token_time is not None:
+            out["first_token_time"] = self.first_token_time
+            out["last_token_time"] = self.last_token_time  # type: ignore[assignment]
+        if self.finished_time is not None:
+            out["finished_time"] = self.finished_time
         return out
 
 

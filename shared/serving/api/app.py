@@ -29,7 +29,7 @@ from shared.serving.api.protocol import (
     CompletionRequest,
     parse_body,
 )
-from shared.serving.api.streaming import final_outputs, response_events
+from shared.serving.api.streaming import final_outputs, response_events, response_header
 from shared.serving.chat import ChatTemplateError, chat_prompt_token_ids
 from shared.serving.engine import EngineInputError, LLMEngine
 
@@ -134,22 +134,22 @@ async def _respond(request: Request, state: ServerState, req: Any, prompts: list
                    params: list[SamplingParams]) -> Response:
     """Admit every prompt (a refusal aborts the ones admitted), then stream or answer."""
     stream = state.async_engine.stream()
-    prefix = "chatcmpl" if isinstance(req, ChatCompletionRequest) else "cmpl"
-    request_base = f"{prefix}-{id(stream):x}-{time.monotonic_ns():x}"
+    header = response_header(req, state.model_name)
+    order = [f"{header.id}-{i}" for i in range(len(prompts))]  # request i: prompt i
     try:
-        for i, (prompt, sp) in enumerate(zip(prompts, params)):
-            await stream.add(f"{request_base}-{i}", prompt, sp)
+        for request_id, prompt, sp in zip(order, prompts, params):
+            await stream.add(request_id, prompt, sp)
     except EngineInputError as exc:
         stream.abort()
         raise APIError(400, str(exc), _refused_field(str(exc), req)) from exc
     except BaseException:
         stream.abort()
         raise
-    order = [f"{request_base}-{i}" for i in range(len(prompts))]
     if req.stream:
-        events = response_events(stream, order, req, params, state.model_name)
+        events = response_events(stream, order, req, params, header)
         return StreamingResponse(_guarded(events, stream), media_type="text/event-stream")
-    return await _until_done_or_disconnect(request, stream, order, req, params, state)
+    work = final_outputs(stream, order, req, params, header)
+    return await _until_done_or_disconnect(request, stream, work)
 
 
 def _refused_field(message: str, req: Any) -> str:
@@ -173,11 +173,10 @@ async def _guarded(events: AsyncIterator[str], stream: ResponseStream) -> AsyncI
 
 
 async def _until_done_or_disconnect(request: Request, stream: ResponseStream,
-                                    order: list[str], req: Any, params: list[SamplingParams],
-                                    state: ServerState) -> Response:
-    """The whole response, or nothing if the client leaves first (its requests are
-    aborted then, as a streaming client's are)."""
-    work = asyncio.ensure_future(final_outputs(stream, order, req, params, state.model_name))
+                                    body: Any) -> Response:
+    """The whole response (`body`, a coroutine), or nothing if the client leaves first
+    (its requests are aborted then, as a streaming client's are)."""
+    work = asyncio.ensure_future(body)
     gone = asyncio.ensure_future(_disconnected(request))
     try:
         done, _ = await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)

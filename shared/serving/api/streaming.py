@@ -30,9 +30,11 @@ def _is_chat(req: Any) -> bool:
     return isinstance(req, ChatCompletionRequest)
 
 
-def _header(req: Any, model: str, chunk: bool) -> ResponseHeader:
+def response_header(req: Any, model: str) -> ResponseHeader:
+    """The response's id, object and creation time; its engine requests are named after
+    the id. A streamed chat response's chunks are "chat.completion.chunk"s."""
     if _is_chat(req):
-        return ResponseHeader.new("chatcmpl", "chat.completion.chunk" if chunk
+        return ResponseHeader.new("chatcmpl", "chat.completion.chunk" if req.stream
                                   else "chat.completion", model)
     return ResponseHeader.new("cmpl", "text_completion", model)
 
@@ -52,7 +54,7 @@ def _usage(outputs: list[RequestOutput]) -> dict[str, int]:
 
 
 async def final_outputs(stream: ResponseStream, order: list[str], req: Any,
-                        params: list[SamplingParams], model: str) -> dict[str, Any]:
+                        params: list[SamplingParams], header: ResponseHeader) -> dict[str, Any]:
     """The non-streamed body, once every request has finished."""
     latest: dict[str, RequestOutput] = {}
     async for out in stream:
@@ -69,7 +71,7 @@ async def final_outputs(stream: ResponseStream, order: list[str], req: Any,
         choice["logprobs"] = _logprobs(req, c, 0, len(c.token_ids), 0)
         choice.update(choice_extras(c, True, ids))
         choices.append(choice)
-    return _header(req, model, chunk=False).body(choices, usage=_usage(outputs))
+    return header.body(choices, usage=_usage(outputs))
 
 
 class _Choice:
@@ -103,8 +105,7 @@ def _chunk_choice(req: Any, state: _Choice, index: int, c: CompletionOutput,
 
 
 async def response_events(stream: ResponseStream, order: list[str], req: Any,
-                  params: list[SamplingParams], model: str) -> AsyncIterator[str]:
-    header = _header(req, model, chunk=True)
+                  params: list[SamplingParams], header: ResponseHeader) -> AsyncIterator[str]:
     prompt_of = {rid: i for i, rid in enumerate(order)}
     choices: dict[int, _Choice] = {}
     latest: dict[str, RequestOutput] = {}

@@ -20,8 +20,9 @@ import pytest
 
 from shared.harness.diff import DiffSetup, build_engine, run_hf
 from shared.harness.hf_reference import HFGreedy, hf_comparable, materialize_checkpoint
-from shared.harness.scenario_run import RequestRecord, ScenarioRun, run_scenario, run_solo
+from shared.harness.scenario_run import ScenarioRun, run_scenario, run_solo
 from shared.harness.scenarios import SCENARIOS, Scenario, build_scenario
+from tests.shared.harness.record_checks import assert_same_records
 
 SEED = 0
 VOCAB = 512  # the tiny presets
@@ -66,23 +67,10 @@ def hf_llama(llama_dir) -> HFGreedy:
     return HFGreedy(llama_dir, "float64", "cpu")
 
 
-def assert_same_records(a: dict[str, RequestRecord], b: dict[str, RequestRecord]) -> None:
-    assert a.keys() == b.keys()
-    for label in a:
-        ra, rb = a[label], b[label]
-        assert ra.token_ids == rb.token_ids, label
-        assert ra.finish_reason == rb.finish_reason, label
-        assert (ra.logprobs is None) == (rb.logprobs is None), label
-        for pos, (da, db) in enumerate(zip(ra.logprobs or [], rb.logprobs or [])):
-            assert da.keys() == db.keys(), (label, pos)
-            for token in da:
-                assert abs(da[token] - db[token]) <= LOGPROB_TOL, (label, pos, token)
-
-
 @pytest.mark.parametrize("name", list(SCENARIOS))
 def test_v1_and_v2_agree(runs, name):
     scenario, out = runs(name)
-    assert_same_records(out["v1"].requests, out["v2"].requests)
+    assert_same_records(out["v1"].requests, out["v2"].requests, LOGPROB_TOL)
     # every submission produced a record, and requests that asked for logprobs got one
     # dict per token
     adds = scenario.labelled_adds()
@@ -150,7 +138,7 @@ def test_other_architectures_greedy_equal_transformers(tmp_path, preset):
     setup = _setup(model_dir)
     out = {r: run_scenario(build_engine(setup, r, scenario.engine_kwargs()), scenario)
            for r in ("v1", "v2")}
-    assert_same_records(out["v1"].requests, out["v2"].requests)
+    assert_same_records(out["v1"].requests, out["v2"].requests, LOGPROB_TOL)
     hf = run_hf(HFGreedy(model_dir, "float64", "cpu"), scenario, out["v1"])
     assert hf.requests.keys() == out["v1"].requests.keys()
     for label, ref in hf.requests.items():

@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 
 from shared.harness.scenarios import SCENARIOS
-from tests.shared.serving.tp_scenarios import assert_same_records, run_both
+from tests.shared.serving.tp_scenarios import check_tp2_equals_tp1
 
 # tiny-llama runs every scenario here; the other architectures one of each hard kind, in
 # test_tp_engine_archs.py (a file per half, so that two test workers share the work)
@@ -23,7 +23,4 @@ CASES = [("tiny-llama", s) for s in SCENARIOS]
 @pytest.mark.parametrize("runner", ["v1", "v2"])
 @pytest.mark.parametrize("model, scenario_name", CASES, ids=[f"{m}-{s}" for m, s in CASES])
 def test_tp2_equals_tp1(model, scenario_name, runner):
-    scenario, one, two, leaked = run_both(model, model, scenario_name, runner)
-    assert not two.missing_events(scenario.expects), "the scenario missed its hard case"
-    assert_same_records(one.requests, two.requests)
-    assert leaked == 0
+    check_tp2_equals_tp1(model, scenario_name, runner)

@@ -4,26 +4,14 @@ scenario through one rank and through two, and the comparison of their records."
 from __future__ import annotations
 
 from shared.harness.diff import DiffSetup, build_engine
-from shared.harness.scenario_run import RequestRecord, run_scenario
+from shared.harness.scenario_run import run_scenario
 from shared.harness.scenarios import build_scenario
+from tests.shared.harness.record_checks import assert_same_records
 from tests.shared.serving.tp_fakes import live_children
 
 SEED = 0
 VOCAB = 512  # the tiny presets
-LOGPROB_TOL = 1e-9
-
-
-def assert_same_records(a: dict[str, RequestRecord], b: dict[str, RequestRecord]) -> None:
-    assert a.keys() == b.keys()
-    for label in a:
-        ra, rb = a[label], b[label]
-        assert ra.token_ids == rb.token_ids, label
-        assert ra.finish_reason == rb.finish_reason, label
-        assert (ra.logprobs is None) == (rb.logprobs is None), label
-        for pos, (da, db) in enumerate(zip(ra.logprobs or [], rb.logprobs or [])):
-            assert da.keys() == db.keys(), (label, pos)
-            for token in da:
-                assert abs(da[token] - db[token]) <= LOGPROB_TOL, (label, pos, token)
+LOGPROB_TOL = 1e-9  # float64, the same model on one rank and on two
 
 
 def _children() -> set[int]:
@@ -44,3 +32,12 @@ def run_both(model_path: str, model: str, scenario_name: str, runner: str):
         engine.shutdown()
     assert _children() <= before, "a tensor-parallel worker outlived its engine"
     return scenario, one, two, leaked
+
+
+def check_tp2_equals_tp1(model: str, scenario_name: str, runner: str) -> None:
+    """The scenario on two ranks: the one-rank engine's records, its hard case reached,
+    and every KV block back."""
+    scenario, one, two, leaked = run_both(model, model, scenario_name, runner)
+    assert not two.missing_events(scenario.expects), "the scenario missed its hard case"
+    assert_same_records(one.requests, two.requests, LOGPROB_TOL)
+    assert leaked == 0
