@@ -50,7 +50,7 @@ if want tune; then
 fi
 if want tests; then
   python3 -m pytest -q -m gpu -p no:cacheprovider -o addopts="" -rfE --durations=15 \
-    --junitxml="$OUT/pytest_gpu.xml" ${GPU_TESTS:-tests} 2>&1 | tee "$OUT/pytest_gpu.log"
+    --junitxml="$OUT/pytest_gpu.xml" ${GPU_TESTS:-tests/gpu} 2>&1 | tee "$OUT/pytest_gpu.log"
   status=$((status | ${PIPESTATUS[0]}))
 fi
 if want boundary; then

@@ -10,13 +10,14 @@ from __future__ import annotations
 import pytest
 import torch
 
+from shared.contract.outputs import PositionLogprobs
 from shared.contract.sampling_params import SamplingParams
 from shared.serving.engine import LLMEngine
 
 pytestmark = pytest.mark.gpu
 
 
-def _run(backend: str) -> tuple[dict[str, list[int]], dict[str, list[dict[int, float]]]]:
+def _run(backend: str) -> tuple[dict[str, list[int]], dict[str, list[PositionLogprobs]]]:
     from policy import EngineArgs
 
     engine = LLMEngine.from_engine_args(EngineArgs(
@@ -48,7 +49,7 @@ def test_triton_equals_torch_greedy_bf16() -> None:
             continue
         pos = next(i for i, (a, b) in enumerate(zip(got, ref)) if a != b)
         # the TRITON run's logprob gap between its top two tokens where the runs split
-        top = sorted(triton_lps[req_id][pos].values(), reverse=True)
+        top = sorted((lp.logprob for lp in triton_lps[req_id][pos].values()), reverse=True)
         gaps.append((req_id, pos, top[0] - top[1]))
     print(f"TRITON vs TORCH bf16: {8 - len(gaps)}/8 requests identical; divergences "
           f"(request, position, top-2 logprob gap): {gaps}")
