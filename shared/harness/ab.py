@@ -40,7 +40,6 @@ from shared.harness.ab_args import (
     check_flags,
     check_lengths,
     check_output_dir,
-    resolve_engine_loops,
     select_runners,
     set_threads,
 )
@@ -52,6 +51,7 @@ from shared.harness.ab_engines import (
     free_engines,
     run_order,
 )
+from shared.harness.ab_loops import resolve_engine_loops
 from shared.harness.chart import write_png
 from shared.harness.embed_args import EMBED
 from shared.harness.embed_workload import check_embed_configs, run_embed

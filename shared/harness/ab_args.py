@@ -9,11 +9,10 @@ import dataclasses
 import os
 import tempfile
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from policy import features
 from policy.cli_args import (
     OneLineArgumentParser,
     bounded_int,
@@ -28,7 +27,6 @@ from shared.harness.embed_args import (
     add_embed_args,
     embed_cpu_cut,
     embed_flag_refusal,
-    embed_loop_refusal,
     embed_settings,
 )
 from shared.harness.measure import decode_max_tokens
@@ -36,13 +34,14 @@ from shared.harness.spec_args import (
     CPU_SPEC_SIZES,
     GPU_SPEC_SIZES,
     SPEC,
-    SpecLoop,
     add_spec_args,
-    spec_engine_loop,
     spec_flag_refusal,
     spec_settings,
     split_kernel_options,
 )
+
+if TYPE_CHECKING:
+    from shared.harness.ab_loops import EngineLoops
 
 PROG = "runnerlab ab"
 RUNNERS = ("v1", "v2")
@@ -50,7 +49,6 @@ WORKLOADS = ("decode", "prefill", "churn", "throughput")  # the defaults' (GPU: 
 # spec and embed only when asked for (shared/harness/spec_args.py, embed_args.py)
 ALL_WORKLOADS = WORKLOADS + (SPEC, EMBED)
 ENGINE_LOOPS = ("sync", "async", "both")
-ASYNC_FEATURE = "async scheduling"  # the policy.features row that says which runner has it
 # ab's own flags that only the decode workload reads (refused without it)
 DECODE_FLAGS = {"batch_sizes": "--batch-sizes", "prompt_len": "--prompt-len",
                 "steps": "--steps", "warmup": "--warmup"}
@@ -352,81 +350,3 @@ def _engine_args(args: argparse.Namespace, runner: str, loop: str, max_batch: in
     from policy import EngineArgs
 
     return EngineArgs(**base)
-
-
-# ------------------------------------------------------------------ the engine loop
-
-
-@dataclass(frozen=True)
-class EngineLoops:
-    """The engine loops every runner runs, in measuring order, and why."""
-
-    loops: tuple[str, ...]  # ("sync",), ("async",) or ("sync", "async")
-    requested: str  # "default" or the --engine-loop value (--async-scheduling: "async")
-    warning: str | None = None  # the default fell back to sync: which runner forced it
-    spec: SpecLoop | None = None  # the spec workload's loop, when it runs
-
-
-def async_capable(runner: str) -> bool:
-    """Whether the policy's feature table says `runner` can run async scheduling."""
-    return features.feature(ASYNC_FEATURE).status(runner) == features.SUPPORTED
-
-
-def resolve_engine_loops(args: argparse.Namespace, runners: list[str]) -> EngineLoops:
-    """--engine-loop (or the engine flag --[no-]async-scheduling, which must agree with it)
-    against what each runner can run. Every runner runs the same loop: a runner that
-    cannot run async scheduling makes the default sync and refuses async and both. The
-    spec workload runs one loop (spec_args.spec_engine_loop); alone, it is the run's."""
-    requested, source = _requested_loop(args)
-    loops = _runner_loops(requested, source, runners)
-    workloads = args.workloads or []
-    if workloads == [EMBED]:  # its pooling engines are the report's, and run sync only
-        refusal = embed_loop_refusal(requested, source)
-        if refusal:
-            raise Refused(refusal)
-        return EngineLoops(("sync",), loops.requested)
-    if SPEC not in workloads:
-        return loops
-    spec = spec_engine_loop(requested, runners, alone=workloads == [SPEC])
-    if spec.refusal:
-        raise Refused(spec.refusal)
-    if workloads == [SPEC]:  # (its engines are the report's: spec_workload.run_spec)
-        return EngineLoops((spec.loop,), loops.requested, spec.note, spec)
-    return dataclasses.replace(loops, spec=spec)
-
-
-def _runner_loops(requested: str | None, source: str, runners: list[str]) -> EngineLoops:
-    unable = [r for r in runners if not async_capable(r)]
-    if requested is None:
-        if not unable:
-            return EngineLoops(("async",), "default")
-        status = features.feature(ASYNC_FEATURE).status(unable[0])
-        return EngineLoops(("sync",), "default", warning=(
-            f"engine loop sync for every runner: {_names(unable)} cannot run async scheduling "
-            f"(policy.features '{ASYNC_FEATURE}': {status}), and ab compares the runners "
-            "under one loop"))
-    if requested != "sync" and unable:
-        able = [r for r in runners if r not in unable]
-        fix = "--engine-loop sync" + (f", or --runners {','.join(able)}" if able else "")
-        raise Refused(f"{source}: {_names(unable)} cannot run async scheduling (policy.features "
-                      f"'{ASYNC_FEATURE}': {features.feature(ASYNC_FEATURE).status(unable[0])}); "
-                      f"use {fix}")
-    loops = ("sync", "async") if requested == "both" else (requested,)
-    return EngineLoops(loops, requested)
-
-
-def _requested_loop(args: argparse.Namespace) -> tuple[str | None, str]:
-    """(the loop asked for or None, the flag that asked) from --engine-loop and the
-    engine flag --[no-]async-scheduling, refusing a contradiction."""
-    loop = args.engine_loop
-    flag = getattr(args, "async_scheduling", None)  # absent unless given
-    if flag is None:
-        return loop, f"--engine-loop {loop}"
-    name, implied = ("--async-scheduling", "async") if flag else ("--no-async-scheduling", "sync")
-    if loop is not None and loop != implied:
-        raise Refused(f"{name} contradicts --engine-loop {loop}; give --engine-loop only")
-    return implied, name if loop is None else f"--engine-loop {loop}"
-
-
-def _names(runners: list[str]) -> str:
-    return " and ".join(r.upper() for r in runners)

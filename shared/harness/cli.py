@@ -64,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return ab_main(rest)
     if command == "diff":
-        from shared.harness.diff import diff_main
+        from shared.harness.diff_cli import diff_main
 
         return diff_main(rest)
     if command in ("embed", "classify"):

@@ -46,40 +46,16 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
 
 from shared.contract.outputs import make_position_logprobs
-from shared.contract.step import (
-    CachedRequestData,
-    ModelRunnerOutput,
-    NewRequestData,
-    SchedulerOutput,
-)
+from shared.contract.step import ModelRunnerOutput, SchedulerOutput
 from shared.serving.block_manager import KVCacheManager
 from shared.serving.prompt_logprobs import record_prompt_logprobs
 from shared.serving.request import Request, RequestStatus, RequestUpdate
+from shared.serving.step_builder import InFlightStep, StepBuilder
+from shared.serving.stop_checks import check_stop, stops_when_landed
 
-__all__ = ["Scheduler", "RequestUpdate", "check_stop"]
-
-
-@dataclass
-class _InFlightStep:
-    """What schedule() handed out, kept until update_from_output() consumes it.
-
-    Holding the Request objects (not ids) is what lets a late runner output of an aborted
-    request be ignored even after its id was resubmitted.
-    """
-
-    scheduler_output: SchedulerOutput
-    scheduled: dict[str, Request]
-    # Finished (aborted, or stopped by a failed step's update) but not yet reported.
-    unreported: list[Request] = field(default_factory=list)
-    # Requests this step samples for, with the placeholders each holds until the update
-    # (1, or 1 + its drafts under speculative decoding: the optimistic count).
-    sampling: dict[Request, int] = field(default_factory=dict)
-    # Requests this step's update finished, kept until the update returns: if it
-    # raises, the recovery reports them with the next step.
-    finished: list[Request] = field(default_factory=list)
+__all__ = ["Scheduler", "RequestUpdate"]
 
 
 class Scheduler:
@@ -131,7 +107,7 @@ class Scheduler:
         # Finishes since the last schedule(), handed to the runner by the next one.
         self.finished_req_ids: set[str] = set()
         self._unreported: list[Request] = []  # finishes the next update reports
-        self._in_flight: dict[int, _InFlightStep] = {}  # id(SchedulerOutput) -> record
+        self._in_flight: dict[int, InFlightStep] = {}  # id(SchedulerOutput) -> record
         # token id -> text for the logprobs entries (set by the engine when it has a
         # tokenizer; None: decoded_token stays None)
         self.decode_token: Callable[[int], str] | None = None
@@ -198,14 +174,14 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         """Running requests first, in running order; then waiting ones, FCFS."""
-        step = _StepBuilder(self.max_num_batched_tokens)
+        step = StepBuilder(self.max_num_batched_tokens)
         self._schedule_running(step)
         # After a preemption the pool is short: admitting new work would only thrash.
         if not step.preempted_req_ids:
             self._schedule_waiting(step)
         out = step.build(self.finished_req_ids)
         self.finished_req_ids = set()
-        self._in_flight[id(out)] = _InFlightStep(out, step.scheduled, self._unreported, step.sampling)
+        self._in_flight[id(out)] = InFlightStep(out, step.scheduled, self._unreported, step.sampling)
         self._unreported = []
         return out
 
@@ -219,11 +195,11 @@ class Scheduler:
             num_new = min(num_new, token_budget)
         return num_new
 
-    def _schedule_running(self, step: _StepBuilder) -> None:
+    def _schedule_running(self, step: StepBuilder) -> None:
         i = 0
         while i < len(self.running) and step.token_budget > 0:
             request = self.running[i]
-            if request.num_output_placeholders and _stops_when_landed(request, self.max_model_len):
+            if request.num_output_placeholders and stops_when_landed(request, self.max_model_len):
                 i += 1  # its in-flight token is its last: nothing more to compute
                 continue
             num_new = self._num_new_tokens(request, request.num_computed_tokens, step.token_budget)
@@ -242,7 +218,7 @@ class Scheduler:
             self._assume_drafts(request, step)
             i += 1
 
-    def _assume_drafts(self, request: Request, step: _StepBuilder) -> None:
+    def _assume_drafts(self, request: Request, step: StepBuilder) -> None:
         if self.assume_drafts and request in step.sampling:
             request.spec_token_ids = [-1] * self.num_speculative_tokens
 
@@ -264,7 +240,7 @@ class Scheduler:
         return drafts[: max(0, limit)]
 
     def _allocate_or_preempt(
-        self, request: Request, num_new: int, step: _StepBuilder
+        self, request: Request, num_new: int, step: StepBuilder
     ) -> list[int] | None:
         while True:
             new_block_ids = self.kv_cache_manager.allocate_slots(request, num_new)
@@ -283,7 +259,7 @@ class Scheduler:
             if victim is request:
                 return None
 
-    def _preempt(self, request: Request, step: _StepBuilder) -> None:
+    def _preempt(self, request: Request, step: StepBuilder) -> None:
         self.kv_cache_manager.free(request)
         request.spec_token_ids = []
         request.status = RequestStatus.PREEMPTED
@@ -291,7 +267,7 @@ class Scheduler:
         self.waiting.appendleft(request)
         step.preempted_req_ids.add(request.request_id)
 
-    def _schedule_waiting(self, step: _StepBuilder) -> None:
+    def _schedule_waiting(self, step: StepBuilder) -> None:
         kv = self.kv_cache_manager
         while self.waiting and step.token_budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
@@ -382,7 +358,7 @@ class Scheduler:
 
     def _apply_sampled(
         self, request: Request, runner_output: ModelRunnerOutput, index: int,
-        record: _InFlightStep,
+        record: InFlightStep,
     ) -> RequestUpdate | None:
         if request.pooling_params is not None:
             return self._apply_pooled(request, runner_output, index, record)
@@ -430,7 +406,7 @@ class Scheduler:
 
 
     def _apply_pooled(self, request: Request, runner_output: ModelRunnerOutput, index: int,
-                      record: _InFlightStep) -> RequestUpdate | None:
+                      record: InFlightStep) -> RequestUpdate | None:
         """A pooling request finishes with the step that pooled its last prompt chunk."""
         pooled = runner_output.pooler_output[index] if runner_output.pooler_output else None
         if pooled is None:  # a partial chunk
@@ -443,100 +419,3 @@ class Scheduler:
         self._finish(request, RequestStatus.FINISHED_STOPPED)
         record.finished.append(request)
         return RequestUpdate(request, [], None, True)
-
-
-def check_stop(request: Request, max_model_len: int) -> RequestStatus | None:
-    """Stop check after the request's last token was appended; sets stop_reason.
-
-    min_tokens: the k-th output (0-based) may stop the request only when k >= min_tokens,
-    the same rule by which the samplers mask EOS / stop ids (fewer than min_tokens outputs
-    existed when it was sampled), so an EOS the sampler would have masked never stops it.
-    """
-    params = request.sampling_params
-    token_id = request.output_token_ids[-1]
-    if request.num_tokens >= max_model_len:
-        return RequestStatus.FINISHED_LENGTH
-    may_stop = request.num_output_tokens - 1 >= params.min_tokens
-    if may_stop and not params.ignore_eos and token_id == request.eos_token_id:
-        return RequestStatus.FINISHED_STOPPED
-    if may_stop and token_id in params.stop_token_ids:
-        request.stop_reason = token_id
-        return RequestStatus.FINISHED_STOPPED
-    if request.num_output_tokens >= params.max_tokens:
-        return RequestStatus.FINISHED_LENGTH
-    return None
-
-
-def _stops_when_landed(request: Request, max_model_len: int) -> bool:
-    """Whether the request reaches a length limit once its in-flight tokens land."""
-    pending = request.num_output_placeholders
-    return (
-        request.num_output_tokens + pending >= request.sampling_params.max_tokens
-        or request.num_tokens + pending >= max_model_len
-    )
-
-
-
-
-class _StepBuilder:
-    """Accumulates one step's SchedulerOutput while the budget is spent."""
-
-    def __init__(self, token_budget: int) -> None:
-        self.token_budget = token_budget
-        self.new_reqs: list[NewRequestData] = []
-        self.cached_reqs = CachedRequestData()
-        self.num_scheduled_tokens: dict[str, int] = {}
-        self.scheduled: dict[str, Request] = {}
-        self.preempted_req_ids: set[str] = set()
-        self.sampling: dict[Request, int] = {}
-        self.spec_decode_tokens: dict[str, list[int]] = {}
-
-    def _take(self, request: Request, num_new: int) -> None:
-        self.num_scheduled_tokens[request.request_id] = num_new
-        self.scheduled[request.request_id] = request
-        self.token_budget -= num_new
-        request.num_computed_tokens += num_new  # vLLM's convention: advanced at schedule
-        # A chunk that reaches the last known (or in-flight) token samples the next one;
-        # a verify of d drafts may yield up to 1 + d tokens: counted optimistically (all
-        # accepted) until the output lands and says how many.
-        if request.num_computed_tokens >= request.num_tokens + request.num_output_placeholders:
-            n = 1 + len(self.spec_decode_tokens.get(request.request_id, ()))
-            request.num_output_placeholders += n
-            self.sampling[request] = n
-
-    def add_cached(
-        self, request: Request, num_new: int, new_block_ids: list[int], drafts: list[int]
-    ) -> None:
-        if drafts:
-            self.spec_decode_tokens[request.request_id] = drafts
-        self.cached_reqs.req_ids.append(request.request_id)
-        self.cached_reqs.new_block_ids.append(new_block_ids)
-        self.cached_reqs.num_computed_tokens.append(request.num_computed_tokens)
-        self._take(request, num_new)
-
-    def add_new(self, request: Request, num_new: int) -> None:
-        # A resumed request's prefill is all its tokens; prompt_len stays the user prompt.
-        self.new_reqs.append(
-            NewRequestData(
-                req_id=request.request_id,
-                prompt_token_ids=list(request.all_token_ids),
-                sampling_params=request.sampling_params,
-                block_ids=list(request.block_ids),
-                num_computed_tokens=request.num_computed_tokens,
-                prompt_len=request.num_prompt_tokens,
-                eos_token_id=request.eos_token_id,
-                pooling_params=request.pooling_params,
-            )
-        )
-        self._take(request, num_new)
-
-    def build(self, finished_req_ids: set[str]) -> SchedulerOutput:
-        return SchedulerOutput(
-            scheduled_new_reqs=self.new_reqs,
-            scheduled_cached_reqs=self.cached_reqs,
-            num_scheduled_tokens=self.num_scheduled_tokens,
-            total_num_scheduled_tokens=sum(self.num_scheduled_tokens.values()),
-            finished_req_ids=finished_req_ids,
-            preempted_req_ids=self.preempted_req_ids,
-            scheduled_spec_decode_tokens=self.spec_decode_tokens,
-        )

@@ -13,6 +13,7 @@ import torch
 
 import shared.harness.ab as ab
 import shared.harness.ab_args as ab_args
+import shared.harness.ab_loops as ab_loops
 from shared.harness.ab import ab_main
 from shared.harness.chart import build_figure
 from shared.harness.cli import main as cli_main
@@ -20,7 +21,7 @@ from shared.harness.cli import main as cli_main
 ON_CPU = not torch.cuda.is_available()
 # tiny sizes: a few seconds per run
 TINY = ["--quick", "--steps", "2", "--batch-sizes", "1,2"]
-SYNC = ab_args.EngineLoops(("sync",), "sync")
+SYNC = ab_loops.EngineLoops(("sync",), "sync")
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,7 @@ import pytest
 import shared.harness.workloads as wl
 from policy import features
 from policy.model_config import build_model_config
-from shared.harness import ab_args
+from shared.harness import ab_args, ab_loops
 from shared.harness import floor as fl
 from shared.harness.ab import ab_main
 from shared.harness.ab_engines import (
@@ -37,25 +37,25 @@ def v1_async(request, monkeypatch) -> bool:
     """The feature table with V1's async-scheduling status set one way; True: V1 has it."""
     able = request.param == "v1 able"
     status = features.SUPPORTED if able else features.UNSUPPORTED
-    table = tuple(dataclasses.replace(f, v1=status) if f.label == ab_args.ASYNC_FEATURE else f
+    table = tuple(dataclasses.replace(f, v1=status) if f.label == ab_loops.ASYNC_FEATURE else f
                   for f in features.FEATURES)
     monkeypatch.setattr(features, "FEATURES", table)
     return able
 
 
-def _loops(argv: list[str], runners: list[str]) -> ab_args.EngineLoops:
-    return ab_args.resolve_engine_loops(ab_args.build_parser().parse_args(argv), runners)
+def _loops(argv: list[str], runners: list[str]) -> ab_loops.EngineLoops:
+    return ab_loops.resolve_engine_loops(ab_args.build_parser().parse_args(argv), runners)
 
 
 def test_the_default_loop_is_async_only_where_every_runner_has_it(v1_async) -> None:
     both = _loops([], ["v1", "v2"])
     if v1_async:
-        assert both == ab_args.EngineLoops(("async",), "default")
+        assert both == ab_loops.EngineLoops(("async",), "default")
     else:
         assert both.loops == ("sync",)
         assert both.warning.startswith("engine loop sync for every runner: V1 cannot run "
                                        "async scheduling (policy.features 'async scheduling'")
-    assert _loops([], ["v2"]) == ab_args.EngineLoops(("async",), "default")
+    assert _loops([], ["v2"]) == ab_loops.EngineLoops(("async",), "default")
     assert _loops([], ["v1"]).loops == (("async",) if v1_async else ("sync",))
 
 
@@ -77,7 +77,7 @@ def test_engine_loop_flag_and_async_scheduling_agree(v1_async) -> None:
 def test_a_loop_v1_cannot_run_is_one_line_naming_the_flag_and_the_fix(
         argv, flag, tmp_path, capsys, monkeypatch) -> None:
     table = tuple(dataclasses.replace(f, v1=features.UNSUPPORTED)
-                  if f.label == ab_args.ASYNC_FEATURE else f for f in features.FEATURES)
+                  if f.label == ab_loops.ASYNC_FEATURE else f for f in features.FEATURES)
     monkeypatch.setattr(features, "FEATURES", table)
     rc = cli_main(["ab", *argv, "--output-dir", str(tmp_path / "out")])
     err = capsys.readouterr().err
@@ -137,7 +137,7 @@ def test_a_gpu_share_the_engines_cannot_all_have_is_refused() -> None:
     args = ab_args.build_parser().parse_args(["--gpu-memory-utilization", "0.3",
                                               "--engine-loop", "both", "--runners", "v1,v2"])
     settings = ab_args._settings(args, "cuda", ["v1", "v2"],
-                                 ab_args.EngineLoops(("sync", "async"), "both"))
+                                 ab_loops.EngineLoops(("sync", "async"), "both"))
     with pytest.raises(ab_args.Refused, match=r"--gpu-memory-utilization 0.3 is each engine's "
                        r"share of the GPU, and 4 engines share it \(1.20 in all\); give at most 0.25"):
         ab_args.check_flags(args, settings, "cuda")
@@ -176,7 +176,7 @@ def test_both_runners_under_both_loops_or_the_refusal(tmp_path, capsys) -> None:
     rc = cli_main(["ab", *TINY, "--engine-loop", "both", "--workloads", "decode",
                    "--output-dir", str(tmp_path)])
     captured = capsys.readouterr()
-    if not ab_args.async_capable("v1"):
+    if not ab_loops.async_capable("v1"):
         assert rc == 2 and "--engine-loop both: V1 cannot run async scheduling" in captured.err
         return
     assert rc == 0, captured.err
@@ -188,7 +188,7 @@ def test_both_runners_under_both_loops_or_the_refusal(tmp_path, capsys) -> None:
 def test_the_header_and_json_state_each_engines_loop_and_graphs(tmp_path) -> None:
     rc, report, out = _run([*TINY, "--workloads", "decode"], tmp_path)
     assert rc == 0, out
-    loop = "async" if ab_args.async_capable("v1") else "sync"
+    loop = "async" if ab_loops.async_capable("v1") else "sync"
     assert report["engine_loops"] == [loop]
     for runner in ("v1", "v2"):
         engine = report["engines"][runner]

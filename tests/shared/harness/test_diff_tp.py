@@ -7,7 +7,8 @@ import contextlib
 import io
 import json
 
-from shared.harness.diff import diff_main, split_engine, with_tp_twins
+from shared.harness.diff import split_engine, with_tp_twins
+from shared.harness.diff_cli import diff_main
 
 
 def test_engine_names_carry_the_size():
