@@ -15,7 +15,7 @@
 #
 # Run through the device tool from the repository root, carrying `.whl`:
 #   python3 -m pip download ... -d .whl pydantic==2.14.4 pydantic-core==2.50.5 \
-#       annotated-types typing-inspection fastapi==0.163.2 starlette==1.10.0 \
+#       annotated-types typing-inspection fastapi==0.163.2 annotated-doc==0.0.7 starlette==1.10.0 \
 #       uvicorn==0.54.0 opentelemetry-api==1.45.2       (see README "GPU machine")
 set -uo pipefail
 OUT="${OUT:-$(pwd)/out}"

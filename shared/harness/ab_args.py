@@ -69,10 +69,10 @@ class Sizes:
 
 GPU_SIZES = Sizes((1, 8, 32, 64, 128, 256, 512, 1024), 128, 30, 5, (16, 2048), (64, 100),
                   WORKLOADS)
-# Without a GPU, V2's kernels run under the Triton interpreter: a decode step of 32
-# requests takes ~200 ms there (V1 ~5 ms), and V2's decode runs at 32 were ~40% of the
-# old CPU default (batch sizes 1,8,32, 8 + 2 steps). Together with one torch thread
-# (set_threads) these sizes keep the default run near 15 s on two cores.
+# Without a GPU, V2's kernels run under the Triton interpreter, where a decode step of
+# a few dozen requests costs tens of times V1's, and V2's decode at batch 32 was the
+# largest part of the older CPU default (batch sizes 1,8,32). Together with one torch
+# thread (set_threads) these sizes keep the default run to seconds on two cores.
 CPU_SIZES = Sizes((1, 4, 16), 16, 6, 1, (4, 256), (8, 16), ("decode", "prefill", "churn"))
 QUICK_SIZES = Sizes((1, 4), 16, 3, 1, (2, 64), (4, 6), ("decode", "prefill", "churn"))
 RUNS_PER_RUNNER = 2  # A-B-B-A
@@ -292,8 +292,9 @@ def set_threads(requested: int | None, device: str) -> int:
 
     The CPU default is one thread: with two, every OpenMP region waits for its other
     thread, and when another process holds a core that thread is descheduled — on a
-    shared two-core machine V1's 3 ms decode step then took 30-400 ms and the default run
-    took 54 s instead of 17 s. One thread per runner keeps the A/B steady and fair."""
+    shared two-core machine V1's decode step then took ten to a hundred times longer, and
+    the default run about three times as long. One thread per runner keeps the A/B
+    steady and fair."""
     if requested is None and device != "cuda" and "OMP_NUM_THREADS" not in os.environ:
         requested = 1
     if requested is not None:

@@ -240,7 +240,7 @@ async def _one_request(client: httpx.AsyncClient, spec: RequestSpec, arrival_s: 
     try:
         error = await asyncio.wait_for(_stream_one(client, spec, settings, t0, tally),
                                        settings.timeout_s)
-    except asyncio.TimeoutError:
+    except TimeoutError:
         error = f"timed out after {settings.timeout_s:g} s (--timeout-s)"
     except Exception as exc:  # noqa: BLE001 - any failure is this request's, not the run's
         error = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__

@@ -99,7 +99,7 @@ def _decode_panel(ax: Any, entries: list[dict], labels: list[str]) -> None:
                     color=STAGE_COLOURS[row], **line_style(label))
     ax.set_xscale("log", base=2)
     ax.set_xticks(batches, [str(b) for b in batches])
-    ax.set_yscale("log")  # V1 and V2 differ by up to 100x on CPU; linear hides V1
+    ax.set_yscale("log")  # V1 and V2 differ by orders of magnitude on CPU (V2 interpreted); linear hides V1
     ax.set_xlabel("decode batch size")
     ax.set_ylabel("ms / step (median)")
 

@@ -48,8 +48,9 @@ class SpecSizes:
 
 
 GPU_SPEC_SIZES = SpecSizes(128, 128)
-# On the CPU V2 runs under the Triton interpreter (a step of the tiny model ~50 ms):
-# a short prompt and few tokens keep (1 + configs) x runners x runs near a minute.
+# On the CPU V2 runs under the Triton interpreter (a step of the tiny model costs tens
+# of milliseconds): a short prompt and few tokens keep (1 + configs) x runners x runs
+# to about a minute.
 CPU_SPEC_SIZES = SpecSizes(16, 32)
 QUICK_SPEC_SIZES = SpecSizes(16, 12)
 

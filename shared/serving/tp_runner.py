@@ -18,10 +18,9 @@ number of KV blocks.
 Why gloo point-to-point sends and not a shared-memory ring (vLLM's broadcast queue): the
 same code serves ranks on other hosts (multi-node torchrun); every send can be waited on
 with a deadline, so a dead or hung worker becomes an error instead of a spin; a crashed
-process leaves no /dev/shm segment behind; and the message is a few KB per step (a
-256-request decode step pickles to about 5 KB) whose hand-off costs a fraction of a
-millisecond (about 0.3 ms per message, the worker's loop included, measured on a busy
-2-core CPU machine), small next to a tensor-parallel forward of a model worth splitting.
+process leaves no /dev/shm segment behind; and the message is a few KB per step even
+for a few hundred requests, whose hand-off costs a fraction of a millisecond on a CPU,
+small next to a tensor-parallel forward of a model worth splitting.
 A ring would pay off only at step rates where that hand-off shows in a profile.
 
 Failures: a worker that died (its exit code is checked before every message) or that does

@@ -10,7 +10,8 @@ of the other rows. This kernel gets that by construction:
 - The tile: up to TALL_ROWS rows, BLOCK_M 16 (tl.dot's smallest tile) with BLOCK_N and
   BLOCK_K from `invariant_config(N, K, dtype, device)`: the decode steps' weight
   streaming; up to MEDIUM_ROWS, 64-row tiles (large decode batches). Above it,
-  TALL_CONFIG's 128 x 128 tiles (wgmma on sm_90), which prefill needs: at BLOCK_M 16 an 8192-row GEMM ran 4.6-14.6x cuBLAS's time on the H200. Tile
+  TALL_CONFIG's 128 x 128 tiles (wgmma on sm_90), which prefill needs: at BLOCK_M 16 an 8192-row GEMM ran several times cuBLAS's time on
+  the H200 (docs/results/raw/1f8faa0/h200_bi_matmul_block_m16_only.json). Tile
   shape changes which program computes an element, not its order: on the H200 a 16-,
   32-, 64- and 128-row tile (mma.sync and wgmma) and other BLOCK_N / BLOCK_K gave every
   element bitwise the same on llama-3-8b's five shapes (scripts/
