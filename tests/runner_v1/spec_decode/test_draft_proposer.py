@@ -28,8 +28,9 @@ from runner_v1.persistent_batch import PersistentBatch
 from runner_v1.request_state import CachedRequestState
 from runner_v1.spec_decode.draft_proposer import V1DraftProposer
 from shared.contract.sampling_params import SamplingParams
-from shared.sampling.draft_sampling import sample_draft
+from shared.sampling.noise import DRAFT_SALT
 from tests.oracles.hf_float64 import hf_logits, hf_oracle
+from tests.oracles.sampling_reference import reference_noise
 
 K = 3
 BLOCK = 4
@@ -245,14 +246,16 @@ class Sim:
             assert self.proposer.draft_probs_for_step([req.state.req_id], np.array([cap])) is None
             return
         q = []
-        temperature = torch.tensor([req.temperature], dtype=torch.float32)
-        for j in range(cap):  # random: each draft is sample_draft's on the oracle's logits
-            logits = hf_logits(self.oracle, tokens + proposal[:j])[-1]
-            # keyed by the proposal's first position and the draft's index
-            token, _ = sample_draft(logits[None], temperature, torch.tensor([req.seed]),
-                                    torch.tensor([known - 1]), j)
-            assert int(token) == proposal[j], (req.state.req_id, self.steps, j)
-            q.append(softmax(logits.numpy() / np.float64(temperature.item())))
+        temperature = float(np.float32(req.temperature))  # as the sampler receives it
+        for j in range(cap):  # random: Gumbel-max on the oracle's logits, in NumPy
+            logits = hf_logits(self.oracle, tokens + proposal[:j])[-1].numpy()
+            # the draft's own noise: the seed salted, keyed by the proposal's first
+            # position x 32 + the draft's index (shared/sampling/draft_sampling.py)
+            noise = reference_noise(req.seed ^ DRAFT_SALT, (known - 1) * 32 + j,
+                                    np.arange(len(logits)))
+            expected = int(np.argmax(logits / temperature + noise))
+            assert expected == proposal[j], (req.state.req_id, self.steps, j)
+            q.append(softmax(logits / temperature))
         if cap:
             req.q = np.stack(q)
             got = self.proposer.draft_probs_for_step([req.state.req_id], np.array([cap]))

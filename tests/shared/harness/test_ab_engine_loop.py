@@ -170,15 +170,12 @@ def test_both_loops_measure_every_workload_under_each_and_compare_all_tokens(tmp
     assert len(lines) == 10 and len({(ln.get_linestyle(), ln.get_marker()) for ln in lines}) == 2
 
 
-def test_both_runners_under_both_loops_or_the_refusal(tmp_path, capsys) -> None:
-    """With the real feature table: four engines once V1 has async scheduling, until then
-    the one-line refusal."""
+def test_both_runners_under_both_loops(tmp_path, capsys) -> None:
+    """With the real feature table (both runners have async scheduling): four engines.
+    The refusal for a runner without it is the fixture-driven test above."""
     rc = cli_main(["ab", *TINY, "--engine-loop", "both", "--workloads", "decode",
                    "--output-dir", str(tmp_path)])
     captured = capsys.readouterr()
-    if not ab_loops.async_capable("v1"):
-        assert rc == 2 and "--engine-loop both: V1 cannot run async scheduling" in captured.err
-        return
     assert rc == 0, captured.err
     report = json.loads((tmp_path / "ab.json").read_text())
     assert list(report["engines"]) == ["v1-sync", "v2-sync", "v1-async", "v2-async"]
@@ -188,7 +185,7 @@ def test_both_runners_under_both_loops_or_the_refusal(tmp_path, capsys) -> None:
 def test_the_header_and_json_state_each_engines_loop_and_graphs(tmp_path) -> None:
     rc, report, out = _run([*TINY, "--workloads", "decode"], tmp_path)
     assert rc == 0, out
-    loop = "async" if ab_loops.async_capable("v1") else "sync"
+    loop = "async"  # both runners have async scheduling: the default for both
     assert report["engine_loops"] == [loop]
     for runner in ("v1", "v2"):
         engine = report["engines"][runner]

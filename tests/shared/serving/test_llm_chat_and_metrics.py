@@ -63,13 +63,30 @@ def test_metrics_follow_the_requests_life(llm):
     assert b.metrics["time_in_queue"] >= a.metrics["finished_time"] - b.metrics["arrival_time"]
 
 
-def test_parallel_samples_merge_their_times(llm):
+def test_parallel_samples_merge_their_times(llm, monkeypatch):
+    """The parent's times against each sample's own (caught on their way in): the
+    earliest first-times, the latest last token and finish."""
+    from shared.serving import parallel_sampling
+
+    children: dict[int, dict[str, float]] = {}
+    record = parallel_sampling.ParentRequest.record
+
+    def spy(self, index, output):
+        children[index] = dict(output.metrics)
+        record(self, index, output)
+
+    monkeypatch.setattr(parallel_sampling.ParentRequest, "record", spy)
     params = SamplingParams(max_tokens=2, temperature=1.0, n=2, seed=1, ignore_eos=True)
     (out,) = llm.generate([[5, 6]], params, use_tqdm=False)
-    m = out.metrics
-    assert m["arrival_time"] <= m["first_token_time"] <= m["finished_time"]
+    m, (c0, c1) = out.metrics, (children[0], children[1])
+    for key in ("arrival_time", "first_scheduled_time", "first_token_time"):
+        assert m[key] == min(c0[key], c1[key]), key
+    for key in ("last_token_time", "finished_time"):
+        assert m[key] == max(c0[key], c1[key]), key
+    assert m["time_in_queue"] == pytest.approx(m["first_scheduled_time"] - m["arrival_time"])
     # max_num_seqs=1: sample 1 runs after sample 0, so the parent finishes with it
-    assert m["last_token_time"] == m["finished_time"] or m["last_token_time"] < m["finished_time"]
+    assert c0["finished_time"] < c1["finished_time"] == m["finished_time"]
+    assert c0["first_token_time"] == m["first_token_time"] < c1["first_token_time"]
 
 
 @pytest.mark.parametrize("alias,name", [("half", "float16"), ("float", "float32"),

@@ -16,6 +16,7 @@ from shared.harness.hf_reference import materialize_checkpoint
 from shared.serving.engine import EngineInputError, LLMEngine
 from shared.serving.llm import LLM
 from tests.oracles.hf_float64 import hf_oracle
+from tests.policy.pooling_models import SEQ_CLS, TOKEN_CLS, save_classifier
 
 TOL = 1e-9
 PROMPTS = [[(7 * i + 3 * j) % 500 + 1 for j in range(n)] for i, n in enumerate([5, 23, 1, 17, 40, 9])]
@@ -29,22 +30,8 @@ def llama_dir(tmp_path_factory) -> str:
 
 
 def _classifier_dir(tmp_path_factory, kind: str) -> str:
-    from transformers import AutoConfig, LlamaForSequenceClassification, LlamaForTokenClassification
-
-    from policy.presets import preset_config_path
-
-    config = AutoConfig.from_pretrained(str(preset_config_path("tiny-llama").parent))
-    config.num_labels, config.pad_token_id = 3, 0
-    cls = LlamaForSequenceClassification if kind == "seq" else LlamaForTokenClassification
-    config.architectures = [cls.__name__]
-    torch.manual_seed(1)
-    model = cls(config).float()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.copy_(1.0 + 0.1 * torch.randn_like(p) if "norm" in name else 0.05 * torch.randn_like(p))
-    path = str(tmp_path_factory.mktemp(f"tiny-llama-{kind}"))
-    model.save_pretrained(path)
-    return path
+    architecture = SEQ_CLS if kind == "seq" else TOKEN_CLS
+    return save_classifier(str(tmp_path_factory.mktemp(f"tiny-llama-{kind}")), architecture)
 
 
 @pytest.fixture(scope="module")

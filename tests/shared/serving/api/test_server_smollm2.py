@@ -10,7 +10,6 @@ import pytest
 from shared import LLM, SamplingParams
 from tests.shared.serving.api.live_server import LiveServer
 
-pytest.importorskip("gguf")
 CONFIG = dict(model="smollm2-135m", dtype="float32", device="cpu", max_model_len=256,
               model_runner="v1", max_num_seqs=8)
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
