@@ -2,7 +2,7 @@ import logging
 
 import pytest
 
-import policy
+import policy  # noqa: F401 - importing it configures the runnerlab logger
 from policy import envs
 from policy.logging_setup import LOGGER_NAME, configure_logging
 
@@ -63,8 +63,7 @@ def test_logging_level(monkeypatch):
 
 
 def test_logger_configured_on_import(monkeypatch):
-    logger = logging.getLogger(LOGGER_NAME)
-    assert policy is not None
+    logger = logging.getLogger(LOGGER_NAME)  # `policy` (imported above) configured it
     ours = [h for h in logger.handlers if getattr(h, "_runnerlab", False)]
     assert len(ours) == 1 and logger.propagate and logger.level == logging.INFO
     try:

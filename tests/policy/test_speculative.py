@@ -209,7 +209,6 @@ DRAFT_PAIRS = {"tiny-llama-draft": ("tiny-llama", "auto"), "llama-3.2-1b": ("lla
 @pytest.mark.parametrize("draft", sorted(DRAFT_PAIRS))
 def test_draft_presets_draft_for_their_target(draft):
     target, load_format = DRAFT_PAIRS[draft]
-    assert presets_module.DRAFT_PRESETS[draft] == target
     cfg = _create(model=target, load_format=load_format, model_runner="v2",
                   speculative_config=DRAFT | {"model": draft})
     d = cfg.speculative_config.draft_model_config
