@@ -1,8 +1,6 @@
 """Small Llama models with a classifier head, for the pooling tests: a config.json written
 by transformers' LlamaConfig into a temporary directory (no weights: load_format="dummy");
-seeded checkpoints with weights, for runs compared with transformers; and a fixture that
-lets the policy treat their architectures as implemented whatever the model registry
-says (the policy tests must not depend on it)."""
+and seeded checkpoints with weights, for runs compared with transformers."""
 
 from __future__ import annotations
 
@@ -11,10 +9,6 @@ import functools
 import shutil
 import tempfile
 from pathlib import Path
-
-import pytest
-
-from policy import model_config
 
 SEQ_CLS = "LlamaForSequenceClassification"
 TOKEN_CLS = "LlamaForTokenClassification"
@@ -64,8 +58,3 @@ def classifier_checkpoint(architecture: str) -> str:
     directory = tempfile.mkdtemp(prefix=f"runnerlab-{architecture}-weights-")
     atexit.register(shutil.rmtree, directory, ignore_errors=True)
     return save_classifier(directory, architecture)
-
-
-def register_classifiers(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(model_config, "RUNNERLAB_ARCHITECTURES",
-                        model_config.RUNNERLAB_ARCHITECTURES | {SEQ_CLS, TOKEN_CLS})

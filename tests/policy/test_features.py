@@ -13,7 +13,7 @@ from policy import EngineArgs, RunnerSelectionError
 from policy import config as config_module
 from policy import features as feature_table
 from policy.features import FEATURES, SUPPORTED, requested_features, unsupported_for
-from tests.policy.pooling_models import SEQ_CLS, TOKEN_CLS, classifier_dir, register_classifiers
+from tests.policy.pooling_models import SEQ_CLS, TOKEN_CLS, classifier_dir
 
 # label -> the runners that honour it, written from the docs, not read from the table:
 SUPPORTED_BY = {
@@ -97,13 +97,6 @@ SETTINGS = {
     "batch-invariant mode": {"batch_invariant": True},
     "pipeline parallelism > 1": {"pipeline_parallel_size": 2},
 }
-
-
-@pytest.fixture(autouse=True)
-def classifiers(monkeypatch):
-    """The classifier architectures count as implemented (the model registry gains them
-    in another session; the feature table must not wait for it)."""
-    register_classifiers(monkeypatch)
 
 
 def _args(label, **extra):

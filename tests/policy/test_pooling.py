@@ -20,16 +20,10 @@ from tests.policy.pooling_models import (
     SEQ_CLS,
     TOKEN_CLS,
     classifier_dir,
-    register_classifiers,
 )
 
 CAUSAL = "LlamaForCausalLM"
 ENV = "RUNNERLAB_USE_V2_MODEL_RUNNER"
-
-
-@pytest.fixture(autouse=True)
-def classifiers(monkeypatch):
-    register_classifiers(monkeypatch)
 
 
 def _model_args(architecture: str) -> dict:
