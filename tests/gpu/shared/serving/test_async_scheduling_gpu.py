@@ -7,8 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from shared.harness.diff import DiffSetup, build_engine
-from shared.harness.hf_reference import materialize_checkpoint
+from shared.harness.diff import build_engine
 from shared.harness.scenario_run import run_scenario
 from shared.harness.scenarios import SCENARIOS, build_scenario
 from tests.shared.serving.test_async_scheduling import assert_async_matches_sync
@@ -16,16 +15,10 @@ from tests.shared.serving.test_async_scheduling import assert_async_matches_sync
 pytestmark = pytest.mark.gpu
 
 
-@pytest.fixture(scope="module")
-def llama_dir(tmp_path_factory) -> str:
-    return materialize_checkpoint("tiny-llama", 0, str(tmp_path_factory.mktemp("tiny-llama")))
-
-
 @pytest.mark.parametrize("runner", ["v1", "v2"])
 @pytest.mark.parametrize("name", list(SCENARIOS))
-def test_async_equals_sync_v1_float32_cuda(llama_dir, name, runner):
+def test_async_equals_sync_v1_float32_cuda(setup, name, runner):
     scenario = build_scenario(name, 0, 512)
-    setup = DiffSetup("tiny-llama", llama_dir, "float32", "cuda", 0, ["v1", "v2"])
     sync = run_scenario(build_engine(setup, "v1", scenario.engine_kwargs()), scenario)
     engine = build_engine(setup, runner, {**scenario.engine_kwargs(), "async_scheduling": True})
     run = run_scenario(engine, scenario)

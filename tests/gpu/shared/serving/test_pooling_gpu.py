@@ -18,13 +18,6 @@ def seq_dir(tmp_path_factory) -> str:
     return _classifier_dir(tmp_path_factory, "seq")
 
 
-@pytest.fixture(scope="module")
-def llama_dir(tmp_path_factory) -> str:
-    from shared.harness.hf_reference import materialize_checkpoint
-
-    return materialize_checkpoint("tiny-llama", 0, str(tmp_path_factory.mktemp("tiny-llama")))
-
-
 def _outs(path, runner, task, **kw):
     llm = LLM(model=path, dtype="float32", device="cuda", seed=0, model_runner=runner,
               pooling_task=task, num_gpu_blocks_override=256, **{**SMALL, **kw})

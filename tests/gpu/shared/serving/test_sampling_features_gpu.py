@@ -6,8 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from shared.harness.diff import DiffSetup, build_engine
-from shared.harness.hf_reference import materialize_checkpoint
+from shared.harness.diff import build_engine
 from shared.harness.scenario_run import run_scenario
 from shared.harness.scenarios import build_scenario
 from tests.shared.serving.test_builtin_processors_engine import _with_builtins
@@ -15,12 +14,6 @@ from tests.shared.serving.test_logits_processors_engine import _examples, _with_
 
 pytestmark = pytest.mark.gpu
 SCENARIOS = ("out_of_order_finish", "chunked_prefill", "preemption")
-
-
-@pytest.fixture(scope="module")
-def setup(tmp_path_factory) -> DiffSetup:
-    path = materialize_checkpoint("tiny-llama", 0, str(tmp_path_factory.mktemp("tiny-llama")))
-    return DiffSetup("tiny-llama", path, "float32", "cuda", 0, ["v1", "v2"])
 
 
 def _tokens(setup, runner, scenario, **kw):

@@ -7,8 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from shared.harness.diff import DiffSetup, build_engine
-from shared.harness.hf_reference import materialize_checkpoint
+from shared.harness.diff import build_engine
 from shared.harness.scenario_run import run_scenario
 from tests.shared.serving.test_spec_decode_engine import assert_same_as_plain, scenario_named
 
@@ -27,16 +26,6 @@ CONFIGS = {
 # the hard cases for graphs and drafts (the CPU tests run the whole library)
 GREEDY = ["out_of_order_finish", "abort_resubmit", "chunked_prefill", "prefix_cache",
           "padded_batch", "spec_preemption", "repetitive"]
-
-
-@pytest.fixture(scope="module")
-def llama_dir(tmp_path_factory) -> str:
-    return materialize_checkpoint("tiny-llama", 0, str(tmp_path_factory.mktemp("tiny-llama")))
-
-
-@pytest.fixture(scope="module")
-def setup(llama_dir) -> DiffSetup:
-    return DiffSetup("tiny-llama", llama_dir, "float32", "cuda", 0, ["v1", "v2"])
 
 
 @pytest.fixture(scope="module")

@@ -9,24 +9,12 @@ from __future__ import annotations
 
 import pytest
 
-from shared.harness.diff import DiffSetup
-from shared.harness.hf_reference import materialize_checkpoint
 from tests.runner_v1.spec_decode.test_rejection_statistics import chi_square_pvalue
 from tests.shared.serving import spec_statistics as st
 
 pytestmark = pytest.mark.gpu
 
 N = 20_000
-
-
-@pytest.fixture(scope="module")
-def llama_dir(tmp_path_factory) -> str:
-    return materialize_checkpoint("tiny-llama", 0, str(tmp_path_factory.mktemp("tiny-llama")))
-
-
-@pytest.fixture(scope="module")
-def setup(llama_dir) -> DiffSetup:
-    return DiffSetup("tiny-llama", llama_dir, "float32", "cuda", 0, ["v1", "v2"])
 
 
 @pytest.fixture(scope="module")
