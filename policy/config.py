@@ -215,7 +215,8 @@ def default_capture_sizes(max_size: int) -> list[int]:
 
 def resolve_compilation(device: str, cudagraph_mode: str, enforce_eager: bool,
                         capture_sizes: list[int] | None, scheduler: SchedulerConfig,
-                        pooling_task: str | None = None) -> CompilationConfig:
+                        pooling_task: str | None = None,
+                        num_speculative_tokens: int = 0) -> CompilationConfig:
     """cudagraph_mode "auto" -> FULL_AND_PIECEWISE for either runner (FULL graphs for
     uniform decode, piecewise graphs for the other batches that fit, eager above the largest
     size), PIECEWISE with a pooling task, NONE on CPU or with enforce_eager. An explicit mode
@@ -243,13 +244,30 @@ def resolve_compilation(device: str, cudagraph_mode: str, enforce_eager: bool,
             mode = "FULL_AND_PIECEWISE" if pooling_task is None else "PIECEWISE"
     else:
         mode = cudagraph_mode
-    sizes = _resolve_capture_sizes(mode, capture_sizes, scheduler)
+    sizes = _resolve_capture_sizes(mode, capture_sizes, scheduler, num_speculative_tokens)
     return CompilationConfig(cudagraph_mode=mode, cudagraph_mode_requested=cudagraph_mode,
                              cudagraph_capture_sizes=sizes, enforce_eager=enforce_eager)
 
 
+def default_max_capture_size(mode: str, scheduler: SchedulerConfig,
+                             num_speculative_tokens: int = 0) -> int:
+    """The largest default capture size. FULL graphs serve uniform decodes, so max_num_seqs
+    bounds them. Piecewise graphs serve the mixed batches, which hold more tokens than
+    requests: a decode batch beside a prefill chunk, or speculative verifies whose rows
+    carry different draft counts (ngram drafts are often shorter than k). vLLM's bound is
+    min(max_num_seqs x (1 + k) x 2, 512); below it such a step runs eagerly at the real
+    size, which costs a small model several times its graphed step. Unlike vLLM we never
+    go below max_num_seqs, so that every uniform decode batch keeps a FULL graph (vLLM
+    caps those at 512 too)."""
+    seqs, tokens = scheduler.max_num_seqs, scheduler.max_num_batched_tokens
+    size = seqs
+    if mode in ("PIECEWISE", "FULL_AND_PIECEWISE"):
+        size = max(seqs, min(seqs * (1 + num_speculative_tokens) * 2, 512))
+    return min(size, tokens)
+
+
 def _resolve_capture_sizes(mode: str, capture_sizes: list[int] | None,
-                           scheduler: SchedulerConfig) -> list[int]:
+                           scheduler: SchedulerConfig, num_speculative_tokens: int) -> list[int]:
     seqs, tokens = scheduler.max_num_seqs, scheduler.max_num_batched_tokens
     if mode == "NONE":
         if capture_sizes:
@@ -258,7 +276,11 @@ def _resolve_capture_sizes(mode: str, capture_sizes: list[int] | None,
                         "cudagraph_mode='NONE')", "no graphs are captured, the sizes would be ignored")
         return []
     if capture_sizes is None:
-        return default_capture_sizes(min(seqs, tokens))
+        sizes = default_capture_sizes(default_max_capture_size(mode, scheduler,
+                                                               num_speculative_tokens))
+        # max_num_seqs off the ladder (100, say) is added, so that the largest uniform
+        # decode batches have a FULL graph too instead of padding past max_num_seqs
+        return sorted(set(sizes) | {min(seqs, tokens)})
     # FULL graphs serve uniform decode only, where num_tokens == num_reqs <= max_num_seqs;
     # piecewise graphs serve mixed batches up to max_num_batched_tokens.
     bound, bound_name = (seqs, "max_num_seqs") if mode == "FULL" else (tokens, "max_num_batched_tokens")

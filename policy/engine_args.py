@@ -187,7 +187,10 @@ class EngineArgs(BaseModel):
         )
         compilation = resolve_compilation(device, self.cudagraph_mode, self.enforce_eager,
                                           self.cudagraph_capture_sizes, scheduler,
-                                          pooling_task=self.pooling_task)
+                                          pooling_task=self.pooling_task,
+                                          num_speculative_tokens=(
+                                              0 if speculative is None
+                                              else speculative.num_speculative_tokens))
         backend, backend_source = resolve_attention_backend(self.attention_backend, env_backend,
                                                             device)
         kernel_opts = self._kernel_options()

@@ -146,8 +146,26 @@ def test_cuda_defaults(fake_cuda):
     assert (s.max_num_seqs, s.max_num_batched_tokens) == (256, 8192)
     c = cfg.compilation_config
     assert cfg.runner_decision.runner == "v2" and c.cudagraph_mode == "FULL_AND_PIECEWISE"
-    assert c.cudagraph_capture_sizes == _ladder(256) and c.max_capture_size == 256
+    # piecewise graphs reach twice the decode batch's tokens, capped at 512 (vLLM's rule)
+    assert c.cudagraph_capture_sizes == _ladder(512) and c.max_capture_size == 512
     assert (cfg.attention_backend, cfg.attention_backend_source) == ("TRITON", "auto")
+
+
+@pytest.mark.parametrize("kwargs,largest", [
+    ({"max_num_seqs": 8}, 16),  # 8 requests x 1 token x 2
+    ({"max_num_seqs": 8, "cudagraph_mode": "FULL"}, 8),  # FULL graphs: uniform decode only
+    ({"max_num_seqs": 8, "cudagraph_mode": "PIECEWISE"}, 16),
+    ({"max_num_seqs": 100, "max_num_batched_tokens": 128}, 128),  # the token budget bounds
+    ({"max_num_seqs": 1024, "max_num_batched_tokens": 8192}, 1024),  # never below max_num_seqs
+    ({"max_num_seqs": 4, "speculative_config": {"method": "ngram", "num_speculative_tokens": 3}},
+     32),  # 4 requests x (1 + 3) tokens x 2
+    ({"max_num_seqs": 300, "speculative_config": {"method": "ngram", "num_speculative_tokens": 3}},
+     512),
+])
+def test_default_largest_capture_size(fake_cuda, kwargs, largest):
+    c = _create(device="cuda", model_runner="v1", **kwargs).compilation_config
+    assert c.max_capture_size == largest
+    assert kwargs["max_num_seqs"] in c.cudagraph_capture_sizes or largest < kwargs["max_num_seqs"]
 
 
 def test_cuda_auto_mode_for_v1_too_and_eager(fake_cuda):
@@ -161,8 +179,11 @@ def test_cuda_auto_mode_for_v1_too_and_eager(fake_cuda):
 
 def test_capture_sizes_bounded(fake_cuda):
     cfg = _create(device="cuda", max_num_seqs=100, max_model_len=256)
-    assert cfg.compilation_config.cudagraph_capture_sizes == _ladder(100)
-    assert cfg.compilation_config.cudagraph_capture_sizes[-3:] == [88, 96, 100]
+    # up to 2 x 100 tokens for the mixed batches, with 100 itself for the FULL decode graphs
+    assert cfg.compilation_config.cudagraph_capture_sizes == sorted(_ladder(200) + [100])
+    sizes = cfg.compilation_config.cudagraph_capture_sizes
+    assert sizes[sizes.index(100) - 2:sizes.index(100) + 2] == [88, 96, 100, 104]
+    assert cfg.compilation_config.cudagraph_capture_sizes[-3:] == [184, 192, 200]
     explicit = _create(device="cuda", cudagraph_capture_sizes=[4, 1, 2, 2])
     assert explicit.compilation_config.cudagraph_capture_sizes == [1, 2, 4]
     # FULL graphs are uniform decodes: sizes up to max_num_seqs ...
