@@ -83,7 +83,9 @@ class EngineArgs(BaseModel):
         "auto", description="auto: FULL_AND_PIECEWISE (both runners), NONE on CPU or when "
                             "eager")
     cudagraph_capture_sizes: list[int] | None = Field(
-        None, description="batch sizes to capture; default 1,2,4,8..256 step 8, then step 16")
+        None, description="token counts to capture; default 1,2,4,8..256 step 8, then step "
+                          "16, up to max_num_seqs for FULL graphs and min(max_num_seqs x "
+                          "(1 + k) x 2, 512) for piecewise ones (k: speculative tokens)")
     attention_backend: Literal["auto", "TORCH", "TRITON", "FLASH_ATTN", "NULL"] = Field(
         "auto", description="auto: RUNNERLAB_ATTENTION_BACKEND, else TRITON on CUDA, TORCH on "
                             "CPU; NULL: benchmarks only, attention launches nothing and the "

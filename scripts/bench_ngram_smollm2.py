@@ -70,22 +70,31 @@ def chat_ids(engine, text: str) -> list[int]:
 
 def run(engine, max_tokens: int) -> tuple[dict, dict]:
     from shared.contract.sampling_params import SamplingParams
+    from shared.harness.measure import StepSamples
 
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     for i, text in enumerate(PROMPTS):
         engine.add_request(f"p{i}", chat_ids(engine, text), params)
     tokens, steps = {}, 0
     engine.stream_outputs = False
+    by_mode: dict[str, StepSamples] = {}
     t0 = time.perf_counter()
     while engine.has_unfinished_requests():
+        t = time.perf_counter()
         for out in engine.step():
             tokens[out.request_id] = out.outputs[0].token_ids
+        # the step's host stages and GPU times by graph mode: a plain decode replays a FULL
+        # graph, a verify whose rows carry different draft counts runs PIECEWISE
+        mode = engine.step_stats.cudagraph_mode
+        by_mode.setdefault(mode, StepSamples()).add(engine, (time.perf_counter() - t) * 1e3)
         steps += 1
     seconds = time.perf_counter() - t0
     total = sum(len(t) for t in tokens.values())
     return tokens, {"seconds": seconds, "output_tokens": total, "steps": steps,
                     "output_tokens_per_s": total / seconds,
-                    "tokens_per_step_per_request": total / steps / len(PROMPTS)}
+                    "tokens_per_step_per_request": total / steps / len(PROMPTS),
+                    "steps_by_mode": {m: {"steps": len(v.wall_ms), **v.summary()}
+                                      for m, v in sorted(by_mode.items())}}
 
 
 def main() -> None:
@@ -123,7 +132,11 @@ def main() -> None:
             res["speedup_vs_plain"] = res["output_tokens_per_s"] / results["plain"]["output_tokens_per_s"]
         results[name] = res
         print(name, json.dumps({k: round(v, 3) if isinstance(v, float) else v
-                                for k, v in res.items() if not isinstance(v, list)}))
+                                for k, v in res.items() if not isinstance(v, list | dict)}))
+        for mode, m in res["steps_by_mode"].items():
+            print(f"  {mode:<10} steps {m['steps']:>4}  wall {m['wall_ms'].get('median', 0):.2f} ms  "
+                  + "  ".join(f"{s} {v.get('median', 0):.2f}" for s, v in m["stages_ms"].items())
+                  + (f"  step GPU {m['step_gpu_ms']['median']:.2f}" if "step_gpu_ms" in m else ""))
         engine.shutdown()
         del engine
         free_device_memory()
