@@ -72,11 +72,11 @@ def run(engine, max_tokens: int) -> tuple[dict, dict]:
     from shared.contract.sampling_params import SamplingParams
     from shared.harness.measure import StepSamples
 
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True,
+                            output_kind="final_only")
     for i, text in enumerate(PROMPTS):
         engine.add_request(f"p{i}", chat_ids(engine, text), params)
     tokens, steps = {}, 0
-    engine.stream_outputs = False
     by_mode: dict[str, StepSamples] = {}
     t0 = time.perf_counter()
     while engine.has_unfinished_requests():

@@ -82,8 +82,8 @@ def _run(engine: LLMEngine, prompts, max_tokens, tag: str, step_fn=None) -> dict
         from shared.contract.sampling_params import SamplingParams
 
         engine.add_request(f"{tag}{i}", p, SamplingParams(max_tokens=n, temperature=0.6,
-                                                         ignore_eos=True, seed=i))
-    engine.stream_outputs = False
+                                                         ignore_eos=True, seed=i,
+                                                         output_kind="final_only"))
     step = step_fn or engine.step
     total, steps = 0, 0
     torch.cuda.synchronize()
@@ -94,7 +94,6 @@ def _run(engine: LLMEngine, prompts, max_tokens, tag: str, step_fn=None) -> dict
         steps += 1
     torch.cuda.synchronize()
     secs = time.perf_counter() - t0
-    engine.stream_outputs = True
     return {"seconds": secs, "output_tokens": total, "steps": steps, "tok_per_s": total / secs}
 
 

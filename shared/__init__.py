@@ -10,19 +10,21 @@ from typing import TYPE_CHECKING, Any
 # without TRITON_INTERPRET leaves every later kernel unable to run on such a machine.
 import shared.runtime.triton_utils  # noqa: E402, F401
 
-__all__ = ["LLM", "LLMEngine", "SamplingParams", "RequestOutput", "CompletionOutput"]
+__all__ = ["LLM", "LLMEngine", "SamplingParams", "RequestOutputKind", "RequestOutput",
+           "CompletionOutput"]
 
 _LAZY = {
     "LLM": "shared.serving.llm",
     "LLMEngine": "shared.serving.engine",
     "SamplingParams": "shared.contract.sampling_params",
+    "RequestOutputKind": "shared.contract.sampling_params",
     "RequestOutput": "shared.contract.outputs",
     "CompletionOutput": "shared.contract.outputs",
 }
 
 if TYPE_CHECKING:
     from shared.contract.outputs import CompletionOutput, RequestOutput
-    from shared.contract.sampling_params import SamplingParams
+    from shared.contract.sampling_params import RequestOutputKind, SamplingParams
     from shared.serving.engine import LLMEngine
     from shared.serving.llm import LLM
 

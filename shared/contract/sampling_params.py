@@ -18,6 +18,7 @@ import hashlib
 import math
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, fields
+from enum import Enum
 from typing import Any, NoReturn
 
 import numpy as np
@@ -79,6 +80,19 @@ def _is_real(value: object) -> bool:
     return _is_integer(value) or isinstance(value, (float, np.floating))
 
 
+class RequestOutputKind(Enum):
+    """What LLMEngine.step() returns for a request (vLLM's kinds). CUMULATIVE: after every
+    step that advanced it, its whole output so far. DELTA: only what the step added (new
+    token ids, logprobs and settled text, see shared/serving/output_delta.py; the prompt
+    logprobs in the first output only; cumulative_logprob stays the running sum).
+    FINAL_ONLY: one output, when it finishes: what offline generation needs, and no
+    per-step copy of every request's output."""
+
+    CUMULATIVE = "cumulative"
+    DELTA = "delta"
+    FINAL_ONLY = "final_only"
+
+
 @dataclass
 class SamplingParams:
     max_tokens: int = 16
@@ -109,6 +123,8 @@ class SamplingParams:
     prompt_logprobs: int | None = None  # top-k logprobs of every prompt token
     extra_args: dict[str, Any] | None = None  # handed to custom logits processors
     skip_special_tokens: bool = True  # of the output text
+    # a RequestOutputKind, or its value ("cumulative" | "delta" | "final_only")
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self) -> None:
         # Idempotent: the engine re-runs it through dataclasses.replace at admission.
@@ -159,6 +175,7 @@ class SamplingParams:
             if not isinstance(value, (bool, np.bool_)):
                 self._fail(name, value, "a bool", f", not a {type(value).__name__}")
             setattr(self, name, bool(value))
+        self._validate_output_kind()
         self._validate_stop()
         self._validate_logit_bias()
         self._validate_allowed_token_ids()
@@ -168,6 +185,18 @@ class SamplingParams:
                        f", not a {type(self.extra_args).__name__}")
         if self.extra_args is not None:
             self.extra_args = dict(self.extra_args)
+
+    def _validate_output_kind(self) -> None:
+        kind = self.output_kind
+        if isinstance(kind, str) and not isinstance(kind, RequestOutputKind):
+            try:
+                kind = RequestOutputKind(kind)
+            except ValueError:
+                pass
+        if not isinstance(kind, RequestOutputKind):
+            self._fail("output_kind", self.output_kind, "a RequestOutputKind or one of "
+                       + ", ".join(repr(k.value) for k in RequestOutputKind))
+        self.output_kind = kind
 
     def _token_ids(self, name: str, value: object, accepted: str, where: str = "") -> list[int]:
         """A list of non-negative ints from any iterable of them (not a str), or fail."""

@@ -153,23 +153,19 @@ def embed_run(engine: LLMEngine, prompts: list[list[int]], tag: str) -> EmbedRun
     """Every prompt added at once, stepped until every embedding is out."""
     ids = [f"{tag}{i}" for i in range(len(prompts))]
     out: dict[str, torch.Tensor] = {}
-    engine.stream_outputs = False  # outputs once, when a prompt's embedding is complete
-    steps = 0
-    try:
-        _sync(engine)
-        t0 = time.perf_counter()
-        for req_id, prompt in zip(ids, prompts):
-            engine.add_request(req_id, prompt, None)
-        while len(out) < len(ids):
-            for o in engine.step():
-                out[o.request_id.rsplit("-", 1)[-1]] = o.outputs.data
-            steps += 1
-        _sync(engine)
-        seconds = time.perf_counter() - t0
-        while engine.has_unfinished_requests():  # an empty step carries the finishes to
-            engine.step()  # the runner: not one of the run's steps
-    finally:
-        engine.stream_outputs = True
+    steps = 0  # (a pooling request reports once, when its embedding is complete)
+    _sync(engine)
+    t0 = time.perf_counter()
+    for req_id, prompt in zip(ids, prompts):
+        engine.add_request(req_id, prompt, None)
+    while len(out) < len(ids):
+        for o in engine.step():
+            out[o.request_id.rsplit("-", 1)[-1]] = o.outputs.data
+        steps += 1
+    _sync(engine)
+    seconds = time.perf_counter() - t0
+    while engine.has_unfinished_requests():  # an empty step carries the finishes to
+        engine.step()  # the runner: not one of the run's steps
     return EmbedRun(seconds, steps, out)
 
 

@@ -8,6 +8,7 @@ come from the same process and the same run.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import time
 from collections.abc import Iterator
@@ -16,7 +17,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from shared.contract.sampling_params import SamplingParams
+from shared.contract.sampling_params import RequestOutputKind, SamplingParams
 from shared.runtime.step_timing import STAGES
 from shared.serving.engine import LLMEngine
 
@@ -176,18 +177,18 @@ def run_decode(
     if params is None:
         params = [SamplingParams(max_tokens=decode_max_tokens(warmup, steps), temperature=0.0,
                                  ignore_eos=True)] * batch
+    # Outputs only at the end: copying every request's cumulative output list each step
+    # would add O(batch x length) work to both runners' steps.
+    params = [dataclasses.replace(p, output_kind=RequestOutputKind.FINAL_ONLY) for p in params]
     ids = [f"{tag}{i}" for i in range(batch)]
     prompts = decode_prompts(batch, prompt_len, engine.vocab_size, seed)
     for req_id, prompt, p in zip(ids, prompts, params, strict=True):
         engine.add_request(req_id, prompt, p)
     tokens: dict[str, list[int]] = {}
-    # prefill until every request is decoding
-    while any(len(tokens.get(r, [])) == 0 for r in ids):
+    # prefill until every request is decoding (None: finished already)
+    while any(engine.num_output_tokens(r) == 0 for r in ids):
         for out in engine.step():
             tokens[out.request_id] = out.outputs[0].token_ids
-    # From here on outputs come only at the end: copying every request's cumulative
-    # output list each step would add O(batch x length) work to both runners' steps.
-    engine.stream_outputs = False
     for _ in range(warmup):
         engine.step()
     samples = StepSamples()
@@ -212,7 +213,6 @@ def run_decode(
         engine.step()
     for out in engine.step():  # carries the aborts to the runner; reports them
         tokens[out.request_id] = out.outputs[0].token_ids
-    engine.stream_outputs = True
     return samples, steady_ms, tokens
 
 

@@ -45,7 +45,7 @@ from typing import Any
 
 from policy.cli_args import one_line
 from shared.contract.outputs import SpecDecodeStats
-from shared.contract.sampling_params import SamplingParams
+from shared.contract.sampling_params import RequestOutputKind, SamplingParams
 from shared.harness import workloads as wl
 from shared.harness.ab_args import Refused, _engine_args, concurrency
 from shared.harness.ab_engines import free_engines, run_order
@@ -119,32 +119,29 @@ def spec_run(engine: LLMEngine, s: dict, tag: str, max_tokens: int | None = None
     for i, (req_id, prompt) in enumerate(zip(ids, prompts)):
         # A seed per request even when greedy: synthetic acceptance draws from it too, so
         # every run of every engine draws the same (the engine's own seeds follow arrivals).
+        # outputs only at the finish: no per-step copies of every request's tokens
         params = SamplingParams(max_tokens=max_tokens or s["max_tokens"], temperature=temperature,
-                                ignore_eos=True, seed=i)
+                                ignore_eos=True, seed=i, output_kind=RequestOutputKind.FINAL_ONLY)
         engine.add_request(req_id, prompt, params)
     tokens: dict[str, list[int]] = {}
     finished: set[str] = set()
     stats, samples, steps = SpecDecodeStats(), StepSamples(), 0
     t0 = time.perf_counter()
-    try:
-        # prefill, until every request has its first token (streamed outputs show it)
-        while len(finished) < batch and any(not tokens.get(r) for r in ids):
-            _collect(engine.step(), tokens, finished, stats)
-            steps += 1
-        prefill_steps = steps
-        # decode (verify) steps, timed; outputs only at the finish (no per-step copies)
-        engine.stream_outputs = False
-        while len(finished) < batch:
-            t = time.perf_counter()
-            outs = engine.step()
-            samples.add(engine, (time.perf_counter() - t) * 1e3)
-            _collect(outs, tokens, finished, stats)
-            steps += 1
-        elapsed = time.perf_counter() - t0
-        while engine.has_unfinished_requests():  # an empty step carries the finishes to
-            engine.step()  # the runner: not one of the run's steps
-    finally:
-        engine.stream_outputs = True
+    # prefill, until every request has its first token (None: finished already)
+    while any(engine.num_output_tokens(r) == 0 for r in ids):
+        _collect(engine.step(), tokens, finished, stats)
+        steps += 1
+    prefill_steps = steps
+    # decode (verify) steps, timed
+    while len(finished) < batch:
+        t = time.perf_counter()
+        outs = engine.step()
+        samples.add(engine, (time.perf_counter() - t) * 1e3)
+        _collect(outs, tokens, finished, stats)
+        steps += 1
+    elapsed = time.perf_counter() - t0
+    while engine.has_unfinished_requests():  # an empty step carries the finishes to
+        engine.step()  # the runner: not one of the run's steps
     total = sum(len(t) for t in tokens.values())
     return wl.RunResult(samples if samples.wall_ms else None, tokens, {
         "seconds": elapsed, "output_tokens": total, "steps": steps,

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from shared.contract.sampling_params import SamplingParams
+from shared.contract.sampling_params import RequestOutputKind, SamplingParams
 from shared.harness.measure import StepSamples, run_decode
 from shared.runtime.step_timing import STAGES
 from shared.serving.engine import LLMEngine
@@ -136,15 +136,13 @@ def throughput(engine: LLMEngine, prompts: list[list[int]], max_tokens: list[int
     """Every request at once, prefill included; output tokens / wall time. Seeds are set
     per request so that both runners must produce the same tokens."""
     for i, (prompt, n) in enumerate(zip(prompts, max_tokens)):
-        params = SamplingParams(max_tokens=n, temperature=0.6, ignore_eos=True, seed=i)
+        # offline batch: outputs once, at the end
+        params = SamplingParams(max_tokens=n, temperature=0.6, ignore_eos=True, seed=i,
+                                output_kind=RequestOutputKind.FINAL_ONLY)
         engine.add_request(f"{tag}{i}", prompt, params)
     tokens: dict[str, list[int]] = {}
-    engine.stream_outputs = False  # offline batch: outputs once, at the end
     t0 = time.perf_counter()
-    try:
-        steps = _drain(engine, None, tokens)
-    finally:
-        engine.stream_outputs = True
+    steps = _drain(engine, None, tokens)
     elapsed = time.perf_counter() - t0
     total = sum(len(t) for t in tokens.values())
     return RunResult(None, tokens, {

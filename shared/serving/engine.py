@@ -20,9 +20,9 @@ import torch
 
 from policy.config import EngineConfig
 from policy.logits_processors import load_class
-from shared.contract.outputs import CompletionOutput, RequestOutput, SpecDecodeStats
-from shared.contract.pooling import PoolingOutput, PoolingParams, PoolingRequestOutput
-from shared.contract.sampling_params import SamplingParams
+from shared.contract.outputs import RequestOutput, SpecDecodeStats
+from shared.contract.pooling import PoolingParams
+from shared.contract.sampling_params import RequestOutputKind, SamplingParams
 from shared.contract.step import SchedulerOutput
 from shared.distributed.init import torchrun_env
 from shared.runtime.kernel_options import use_kernel_options
@@ -36,8 +36,8 @@ from shared.serving.admission import (  # noqa: F401 (re-exported: the engine's 
 )
 from shared.serving.detokenizer import IncrementalDetokenizer, decode_token
 from shared.serving.parallel_sampling import ParentRequest, child_params
-from shared.serving.prompt_logprobs import prompt_logprobs_output
 from shared.serving.request import Request
+from shared.serving.request_output import reports, request_output
 from shared.serving.scheduler import Scheduler
 from shared.serving.tp_worker import run_worker_from_torchrun
 from shared.serving.tp_workers import start_tp_runner
@@ -107,11 +107,6 @@ class LLMEngine:
         self._seed_rng = random.Random(config.load_config.seed)
         # Summed over finished requests (each request's own counters are in its output).
         self.spec_decode_stats = SpecDecodeStats()
-        # True: step() returns every request that advanced (cumulative tokens, vLLM's
-        # streaming view). False: only requests that finished — what offline batch
-        # generation needs, and O(1) per request per step instead of copying every
-        # request's whole output on every step.
-        self.stream_outputs = True
         # n > 1: parent id -> its samples' collector; child id -> (parent, sample index)
         self._parents: dict[str, ParentRequest] = {}
         self._child_of: dict[str, tuple[ParentRequest, int]] = {}
@@ -223,7 +218,7 @@ class LLMEngine:
             self._check_id_free(request_id)
             self._queue(request_id, prompt_token_ids, params)
             return
-        parent = ParentRequest(request_id, params.n)
+        parent = ParentRequest(request_id, params.n, params.output_kind)
         for rid in (request_id, *parent.child_ids):
             self._check_id_free(rid)
         self._parents[request_id] = parent
@@ -264,6 +259,12 @@ class LLMEngine:
             parent = self._parents.get(rid)
             ids.extend(parent.child_ids if parent is not None else [rid])
         self.scheduler.abort_requests(ids)
+
+    def num_output_tokens(self, request_id: str) -> int | None:
+        """Tokens a live request has generated so far; None once it has finished (or for
+        an unknown id). Lets a caller whose requests report FINAL_ONLY follow them."""
+        req = self.scheduler.requests.get(request_id)
+        return None if req is None else len(req.output_token_ids)
 
     def has_unfinished_requests(self) -> bool:
         # Finished-but-unreported requests (aborts) count: the next step tells the runner
@@ -334,9 +335,9 @@ class LLMEngine:
             for update in updates:
                 if update.finished:
                     self.spec_decode_stats.merge(update.request.spec_decode_stats)
-        if not self.stream_outputs:
-            updates = [u for u in updates if u.finished]
-        outputs = [self._to_request_output(u) for u in updates]
+        # each request's SamplingParams.output_kind says whether this step returns it
+        outputs = [request_output(u, self.tokenizer, bool(self.num_speculative_tokens))
+                   for u in updates if reports(u)]
         return self._gather_samples(outputs) if self._parents else outputs
 
     def _gather_samples(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
@@ -352,51 +353,19 @@ class LLMEngine:
             parent.record(index, out)
             if out.finished:
                 del self._child_of[out.request_id]
-            touched[parent.request_id] = parent
-        for parent in touched.values():
+            touched.setdefault(parent.request_id, (parent, []))[1].append(index)
+        for parent, indices in touched.values():
             if parent.finished:
                 del self._parents[parent.request_id]
-            if parent.finished or self.stream_outputs:
+            if parent.output_kind is RequestOutputKind.DELTA:
+                result.append(parent.output(indices))  # only the samples this step added to
+            elif parent.finished or parent.output_kind is RequestOutputKind.CUMULATIVE:
                 result.append(parent.output())
         return result
 
     @property
     def step_stats(self):
         return self.runner.step_stats
-
-    def _to_request_output(self, update: Any) -> RequestOutput | PoolingRequestOutput:
-        req: Request = update.request
-        if req.pooling_params is not None:
-            return PoolingRequestOutput(req.request_id, list(req.prompt_token_ids),
-                                        PoolingOutput(req.pooler_output), update.finished)
-        params = req.sampling_params
-        text = ""
-        if req.detokenizer is not None:  # stop strings: the text as matched, truncated
-            text = req.detokenizer.output_text
-        elif self.tokenizer is not None:
-            # Without stop strings nothing needs the text before it is returned, so it is
-            # decoded here rather than token by token inside the engine loop.
-            text = self.tokenizer.decode(req.output_token_ids,
-                                         skip_special_tokens=params.skip_special_tokens)
-        wants_logprobs = params.logprobs is not None
-        completion = CompletionOutput(
-            index=0,
-            token_ids=list(req.output_token_ids),
-            text=text,
-            logprobs=list(req.logprobs) if wants_logprobs else None,
-            finish_reason=req.finish_reason,
-            stop_reason=req.stop_reason,
-            cumulative_logprob=req.cumulative_logprob if wants_logprobs else None,
-        )
-        return RequestOutput(
-            request_id=req.request_id,
-            prompt_token_ids=list(req.prompt_token_ids),
-            outputs=[completion],
-            finished=update.finished,
-            prompt_logprobs=prompt_logprobs_output(req, self.tokenizer),
-            spec_decode_stats=req.spec_decode_stats if self.num_speculative_tokens else None,
-            metrics=req.times.as_dict(),
-        )
 
     def _check_kv_fits_one_request(self, num_blocks: int) -> None:
         block_size = self.config.cache_config.block_size
@@ -412,3 +381,4 @@ class LLMEngine:
                 f"{needed} blocks one request of max_model_len={self.max_model_len} needs; raise "
                 f"{knobs} or lower max_model_len"
             )
+

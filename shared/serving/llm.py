@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import numbers
 from collections.abc import Sequence
 from typing import Any
@@ -10,7 +11,7 @@ import numpy as np
 import torch
 
 from shared.contract.outputs import RequestOutput
-from shared.contract.sampling_params import SamplingParams
+from shared.contract.sampling_params import RequestOutputKind, SamplingParams, SamplingParamsError
 from shared.serving.engine import EngineInputError, LLMEngine
 from shared.serving.llm_pooling import PoolingAPI
 
@@ -197,6 +198,7 @@ class LLM(PoolingAPI):
             for prompt, params in zip(prompts, params_list):
                 request_id = str(self._counter)
                 self._counter += 1
+                params = _final_only(request_id, params)
                 self.engine.add_request(request_id, self._tokenize(prompt), params)
                 request_ids.append(request_id)
         except Exception:
@@ -223,7 +225,6 @@ class LLM(PoolingAPI):
 
             bar = tqdm(total=len(request_ids), desc="Generating", unit="req", leave=False)
         wanted = set(request_ids)
-        stream, self.engine.stream_outputs = self.engine.stream_outputs, False
         try:
             self._step_until_done(request_ids, wanted, finished, bar)
         except BaseException:
@@ -233,7 +234,6 @@ class LLM(PoolingAPI):
             self.engine.abort_request([r for r in request_ids if r not in finished])
             raise
         finally:
-            self.engine.stream_outputs = stream
             if bar is not None:
                 bar.close()
         results = []
@@ -251,3 +251,16 @@ class LLM(PoolingAPI):
                     finished[out.request_id] = out
                     if bar is not None:
                         bar.update(1)
+
+
+def _final_only(request_id: str, params: Any) -> Any:
+    """generate() returns each request once, finished (vLLM's LLM does the same): a copy
+    of the caller's SamplingParams with output_kind FINAL_ONLY, so the engine builds no
+    per-step outputs whatever the params say. The copy re-validates, as the engine's
+    admission does, and a bad field is the same EngineInputError."""
+    if not isinstance(params, SamplingParams) or params.output_kind is RequestOutputKind.FINAL_ONLY:
+        return params
+    try:
+        return dataclasses.replace(params, output_kind=RequestOutputKind.FINAL_ONLY)
+    except SamplingParamsError as exc:
+        raise EngineInputError(f"request {request_id!r}: {exc}") from exc

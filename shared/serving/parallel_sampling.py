@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 
 from shared.contract.outputs import CompletionOutput, RequestOutput
-from shared.contract.sampling_params import SamplingParams, derive_sample_seed
+from shared.contract.sampling_params import RequestOutputKind, SamplingParams, derive_sample_seed
 
 
 def child_request_id(request_id: str, index: int) -> str:
@@ -35,8 +35,10 @@ def child_params(params: SamplingParams, index: int) -> SamplingParams:
 class ParentRequest:
     """Collects the children's outputs into the parent's RequestOutput."""
 
-    def __init__(self, request_id: str, n: int) -> None:
+    def __init__(self, request_id: str, n: int,
+                 output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE) -> None:
         self.request_id = request_id
+        self.output_kind = output_kind  # the children's too
         self.child_ids = [child_request_id(request_id, i) for i in range(n)]
         self._latest: list[CompletionOutput | None] = [None] * n
         self._finished = [False] * n
@@ -55,17 +57,26 @@ class ParentRequest:
         if index == 0 or self._first is None:
             self._first = output
 
-    def output(self) -> RequestOutput:
+    def output(self, indices: list[int] | None = None) -> RequestOutput:
+        """Every sample's latest output; with `indices` (output_kind DELTA) only theirs,
+        each the delta its child's last output carried, and the prompt logprobs only in
+        the output that carries sample 0's first."""
         first = self._first
         assert first is not None
-        outputs = [c if c is not None else CompletionOutput(index=i, token_ids=[])
-                   for i, c in enumerate(self._latest)]
+        if indices is None:
+            outputs = [c if c is not None else CompletionOutput(index=i, token_ids=[])
+                       for i, c in enumerate(self._latest)]
+            prompt_logprobs = first.prompt_logprobs if self._latest[0] is not None else None
+        else:
+            outputs = [self._latest[i] for i in sorted(indices)]
+            # child 0's DELTA outputs carry its prompt logprobs in the first one only
+            prompt_logprobs = first.prompt_logprobs if 0 in indices else None
         return RequestOutput(
             request_id=self.request_id,
             prompt_token_ids=list(first.prompt_token_ids),
             outputs=outputs,
             finished=self.finished,
-            prompt_logprobs=first.prompt_logprobs if self._latest[0] is not None else None,
+            prompt_logprobs=prompt_logprobs,
             spec_decode_stats=first.spec_decode_stats,
             metrics=self._merged_metrics(),
         )

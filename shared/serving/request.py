@@ -76,6 +76,8 @@ class Request:
         # Set by the engine for requests with stop strings (shared/serving/detokenizer.py):
         # the scheduler feeds it every output token and stops on a match.
         self.detokenizer: Any = None
+        # output_kind DELTA: what the outputs returned so far have carried (the engine's)
+        self.output_delta: Any = None
         # With SamplingParams.prompt_logprobs: one slot per prompt position.
         self.prompt_logprobs = (None if sampling_params.prompt_logprobs is None
                                 else PromptLogprobsStore(len(self.prompt_token_ids)))

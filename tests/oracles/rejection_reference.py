@@ -40,7 +40,7 @@ Methods:
   of rows after the stopping point, and the next step's rows start at position
   positions[tau + 1]: keyed by their own positions, the next step would reuse eta values
   that this step's outcome conditioned (eta_j > h_j for j > tau), which biases it.
-  Measured with the chain of tests/runner_v1/spec_decode/test_rejection_statistics.py,
+  Measured with the chain of tests/oracles/spec_chain.py,
   100000 runs (too slow for the suite): chi-square p = 9e-46 keyed by row, 0.62 keyed by
   the first row. The first row's position grows every step, so (first position,
   offset) never repeats. standard and synthetic read only u_0..u_n, and the next step

@@ -102,9 +102,10 @@ class EngineSnapshot:
 
 class AsyncEngine:
     def __init__(self, engine: LLMEngine, observer: Any = None, idle_wait_s: float = 0.5):
+        # requests keep SamplingParams' default output_kind, CUMULATIVE: every request
+        # that advanced, with its whole output so far (the streams and the TTFT / ITL
+        # metrics read each step's)
         self.engine = engine
-        # every request that advanced, with its cumulative output (the streaming view)
-        engine.stream_outputs = True
         self.observer = observer  # ServerMetrics or None: TTFT / ITL / step times
         self._idle_wait_s = idle_wait_s
         self._commands: queue.SimpleQueue = queue.SimpleQueue()

@@ -1,28 +1,19 @@
 """OpenAI response bodies from RequestOutputs: whole responses and streamed chunks.
 
-A stream sends, per step, what the step added to each choice (`ChoiceDelta`). The
-engine's text is the decode of every output token so far, so a step's text is the new
-suffix; two kinds of suffix are held back until a later step settles them: an
-incomplete UTF-8 character at the end (decoded as U+FFFD until its last byte arrives)
-and, with stop strings excluded from the output, the last len(stop) - 1 characters
-(a stop string may be starting there, and the finished text is cut before it). The
-streamed pieces therefore concatenate to the non-streamed text.
+A stream sends, per step, what the step added to each choice (an `OutputDelta` of
+shared/serving/output_delta.py, which the engine's DELTA outputs use too): the streamed
+pieces concatenate to the non-streamed text.
 """
 
 from __future__ import annotations
 
 import json
-import logging
 import time
 import uuid
 from dataclasses import dataclass
 from typing import Any
 
 from shared.contract.outputs import CompletionOutput, PositionLogprobs, RequestOutput
-
-logger = logging.getLogger("runnerlab")
-
-_REPLACEMENT = "\ufffd"
 
 
 def new_id(prefix: str) -> str:
@@ -32,54 +23,6 @@ def new_id(prefix: str) -> str:
 def token_text(token_id: int, decoded: str | None) -> str:
     """A token as the logprobs show it; vLLM's form for a model without a tokenizer."""
     return decoded if decoded is not None else f"token_id:{token_id}"
-
-
-@dataclass
-class ChoiceDelta:
-    """What to stream next for one choice: tracks what has been sent."""
-
-    holdback: int = 0  # characters held while unfinished (max stop length - 1)
-    sent_text: str = ""
-    sent_tokens: int = 0
-
-    def advance(self, completion: CompletionOutput, finished: bool) -> tuple[str, int, int]:
-        """-> (new text, first new token index, end token index)."""
-        first, end = self.sent_tokens, len(completion.token_ids)
-        self.sent_tokens = end
-        text = completion.text
-        ready = text
-        if not finished:
-            # the partial character first: the held tail is counted in settled text
-            ready = ready.rstrip(_REPLACEMENT)
-            if self.holdback:
-                ready = ready[:max(len(ready) - self.holdback, 0)]
-        if not ready.startswith(self.sent_text):
-            if not finished:
-                return "", first, end  # not settled yet: the next step's text decides
-            logger.warning("A request's final text does not extend its streamed text; the "
-                           "stream sends the final text's remainder")
-            common = _common_prefix_len(ready, self.sent_text)
-            self.sent_text = ready
-            return ready[common:], first, end
-        delta = ready[len(self.sent_text):]
-        if delta:
-            self.sent_text = ready
-        return delta, first, end
-
-
-def _common_prefix_len(a: str, b: str) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
-
-
-def holdback_for(params: Any) -> int:
-    if not params.stop or params.include_stop_str_in_output:
-        return 0
-    return max(len(s) for s in params.stop) - 1
 
 
 # ---- logprobs ----------------------------------------------------------------------------

@@ -14,16 +14,15 @@ from shared.contract.sampling_params import SamplingParams
 from shared.serving.api.async_engine import EngineStepError, ResponseStream
 from shared.serving.api.protocol import ChatCompletionRequest
 from shared.serving.api.responses import (
-    ChoiceDelta,
     ResponseHeader,
     chat_logprobs,
     choice_extras,
     completion_logprobs,
-    holdback_for,
     output_choices,
     sse,
     usage,
 )
+from shared.serving.output_delta import OutputDelta, holdback_for
 
 
 def _is_chat(req: Any) -> bool:
@@ -78,7 +77,7 @@ class _Choice:
     """One streamed choice: what has been sent, and where its logprob offsets are."""
 
     def __init__(self, holdback: int) -> None:
-        self.delta = ChoiceDelta(holdback)
+        self.delta = OutputDelta(holdback)
         self.text_offset = 0  # completions logprobs: characters of the tokens sent
         self.done = False
         self.started = False  # chat: the role has been sent
@@ -87,7 +86,7 @@ class _Choice:
 def _chunk_choice(req: Any, state: _Choice, index: int, c: CompletionOutput,
                   finished: bool) -> dict[str, Any] | None:
     """This step's chunk for one choice, or None when it has nothing to send."""
-    text, first, end = state.delta.advance(c, finished)
+    text, first, end = state.delta.advance(c.text, len(c.token_ids), finished)
     if not (text or finished or (req.return_token_ids and end > first)):
         return None
     logprobs = _logprobs(req, c, first, end, state.text_offset)

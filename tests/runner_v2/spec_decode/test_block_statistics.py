@@ -1,5 +1,5 @@
 """Block verification reproduces the target distribution: the statistical test
-(tests/runner_v1/spec_decode/test_rejection_statistics.py explains it) on the NumPy
+(tests/oracles/spec_chain.py explains it) on the NumPy
 reference, which V2 matches token for token (test_rejection_sampler.py here); V2's own
 runs are on the GPU (tests/gpu/runner_v2/spec_decode/), the interpreter being ~10 ms a
 program. A deliberately wrong h must fail the same test."""
@@ -7,7 +7,7 @@ program. A deliberately wrong h must fail the same test."""
 from __future__ import annotations
 
 from tests.oracles import rejection_reference
-from tests.runner_v1.spec_decode.test_rejection_statistics import (
+from tests.oracles.spec_chain import (
     ALPHA,
     WRONG,
     make_chain,

@@ -303,6 +303,8 @@ def test_an_unknown_field_is_named_with_the_accepted_ones():
     ({"prompt_logprobs": -1}, "SamplingParams.prompt_logprobs=-1"),
     ({"extra_args": [("a", 1)]}, "SamplingParams.extra_args"),
     ({"skip_special_tokens": 1}, "SamplingParams.skip_special_tokens=1"),
+    ({"output_kind": "streaming"}, "SamplingParams.output_kind='streaming'"),
+    ({"output_kind": 2}, "one of 'cumulative', 'delta', 'final_only'"),
 ])
 def test_new_fields_refuse_bad_values(kwargs, text):
     with pytest.raises(SamplingParamsError, match=re.escape(text)):
@@ -317,6 +319,10 @@ def test_new_fields_are_normalised():
     assert p.allowed_token_ids == [3, 4]
     assert p.bad_words_token_ids == [[1, 2]]
     assert p.uses_builtin_processors and not SamplingParams().uses_builtin_processors
+    from shared.contract.sampling_params import RequestOutputKind
+
+    assert SamplingParams(output_kind="delta").output_kind is RequestOutputKind.DELTA
+    assert SamplingParams().output_kind is RequestOutputKind.CUMULATIVE
 
 
 def test_derived_seeds_are_distinct_and_stable():

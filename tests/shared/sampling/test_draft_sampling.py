@@ -13,7 +13,7 @@ import torch
 from shared.sampling.draft_sampling import sample_draft
 from shared.sampling.noise import DRAFT_SALT, gumbel_noise
 from tests.oracles.sampling_reference import reference_noise
-from tests.runner_v1.spec_decode.test_rejection_statistics import chi_square_pvalue
+from tests.oracles.spec_chain import chi_square_pvalue
 
 LOGITS = np.array([0.0, 0.5, 1.0, 1.5, 2.0, -1.0])
 T = 0.8

@@ -10,7 +10,7 @@ import pytest
 
 from shared.harness.diff import DiffSetup
 from shared.harness.hf_reference import materialize_checkpoint
-from tests.runner_v1.spec_decode.test_rejection_statistics import chi_square_pvalue
+from tests.oracles.spec_chain import chi_square_pvalue
 from tests.shared.serving import spec_statistics as st
 
 N = 5000

@@ -14,6 +14,13 @@ from runner_v1.spec_decode.rejection_sampler import rejection_sample as v1_rejec
 from runner_v2.spec_decode.rejection_sampler import rejection_sample
 from tests.gpu.runner_v2.test_sampler_gpu import _to_cuda
 from tests.oracles.rejection_reference import SpecRequest
+from tests.oracles.spec_chain import (
+    ALPHA,
+    make_chain,
+    sequence_pvalue,
+    simulate,
+    synthetic_pvalue,
+)
 from tests.runner_v1.spec_decode.test_rejection_sampler import (
     PARAMS,
     RATES,
@@ -25,14 +32,7 @@ from tests.runner_v1.spec_decode.test_rejection_sampler import (
     make_params,
     reference_outputs,
 )
-from tests.runner_v1.spec_decode.test_rejection_statistics import (
-    ALPHA,
-    make_chain,
-    sequence_pvalue,
-    simulate,
-    synthetic_batch,
-    synthetic_pvalue,
-)
+from tests.runner_v1.spec_decode.test_rejection_statistics import synthetic_batch
 from tests.runner_v2.spec_decode.test_rejection_sampler import v2_inputs, v2_run
 
 pytestmark = pytest.mark.gpu

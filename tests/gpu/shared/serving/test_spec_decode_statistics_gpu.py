@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.runner_v1.spec_decode.test_rejection_statistics import chi_square_pvalue
+from tests.oracles.spec_chain import chi_square_pvalue
 from tests.shared.serving import spec_statistics as st
 
 pytestmark = pytest.mark.gpu

@@ -6,18 +6,17 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shared.contract.outputs import CompletionOutput
-from shared.serving.api.responses import ChoiceDelta
+from shared.serving.output_delta import OutputDelta
 
 _FFFD = "\ufffd"
 
 
 def _run(snapshots: list[str], holdback: int) -> list[str]:
-    delta = ChoiceDelta(holdback)
+    delta = OutputDelta(holdback)
     sent = []
     for i, text in enumerate(snapshots):
         finished = i == len(snapshots) - 1
-        piece, _, _ = delta.advance(CompletionOutput(0, list(range(i + 1)), text), finished)
+        piece, _, _ = delta.advance(text, i + 1, finished)
         sent.append(piece)
     return sent
 
