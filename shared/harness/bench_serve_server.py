@@ -33,7 +33,8 @@ class ServerError(Exception):
 
 def free_port() -> int:
     """A port nothing listens on now (the kernel's pick for port 0). Another process can
-    still take it before the server binds; the server then exits and says so."""
+    still take it before the server binds; the server then exits, and managed_server
+    tries another."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
@@ -106,29 +107,54 @@ def stop_server(proc: subprocess.Popen) -> None:
             os.killpg(proc.pid, signal.SIGKILL)
 
 
+# How many ports managed_server tries: free_port's pick can be taken before the server
+# binds it (another process between our probe and its bind), and the server then exits.
+PORT_ATTEMPTS = 3
+_PORT_TAKEN = ("address already in use", "[errno 98]", "[errno 48]")  # Linux, macOS
+
+
+def _port_was_taken(log) -> bool:
+    log.flush()
+    log.seek(0)
+    text = log.read().decode("utf-8", "replace").lower()
+    return any(marker in text for marker in _PORT_TAKEN)
+
+
 @contextlib.contextmanager
 def managed_server(model: str, runner: str, engine_flags: list[str], startup_timeout_s: float
                    ) -> Iterator[tuple[str, Callable[[], None]]]:
     """A `runnerlab serve` subprocess for one runner, ready; -> its base URL and a check
     that raises ServerError (with its log) once it has died. Stopped on the way out,
-    whatever happened (a failure, Ctrl-C)."""
-    port = free_port()
-    base_url = f"http://127.0.0.1:{port}"
+    whatever happened (a failure, Ctrl-C). A server that exits because its port was taken
+    meanwhile is started again on another (PORT_ATTEMPTS in all)."""
     env = dict(os.environ)  # the server imports this checkout, whatever is installed
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(PROJECT_ROOT), env.get("PYTHONPATH")]))
-    argv = serve_argv(model, runner, port, engine_flags)
-    print(f"{PROG}: starting {' '.join(map(shlex.quote, argv[1:]))}", file=sys.stderr)
-    # the log goes to a file: a pipe nobody reads would block a chatty server
-    with tempfile.TemporaryFile() as log:
-        # its own session: a Ctrl-C here reaches this process only, which stops the server
-        proc = subprocess.Popen(
-            argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=env,
-            start_new_session=True, preexec_fn=_die_with_parent())
-        try:
-            wait_healthy(proc, base_url, runner, log, startup_timeout_s)
-            yield base_url, lambda: _check_alive(proc, runner, log)
-        finally:
-            stop_server(proc)
+    for attempt in range(1, PORT_ATTEMPTS + 1):
+        port = free_port()
+        base_url = f"http://127.0.0.1:{port}"
+        argv = serve_argv(model, runner, port, engine_flags)
+        print(f"{PROG}: starting {' '.join(map(shlex.quote, argv[1:]))}", file=sys.stderr)
+        # the log goes to a file: a pipe nobody reads would block a chatty server
+        with tempfile.TemporaryFile() as log:
+            # its own session: a Ctrl-C here reaches this process only, which stops it
+            proc = subprocess.Popen(
+                argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=env,
+                start_new_session=True, preexec_fn=_die_with_parent())
+            try:
+                try:
+                    wait_healthy(proc, base_url, runner, log, startup_timeout_s)
+                    # whoever took the port may be what answered /health: ours must live
+                    _check_alive(proc, runner, log)
+                except ServerError:
+                    if attempt < PORT_ATTEMPTS and proc.poll() is not None and _port_was_taken(log):
+                        print(f"{PROG}: port {port} was taken before the {runner} server "
+                              "bound it; another port", file=sys.stderr)
+                        continue
+                    raise
+                yield base_url, lambda p=proc, lg=log: _check_alive(p, runner, lg)
+                return
+            finally:
+                stop_server(proc)
 
 
 @contextlib.contextmanager

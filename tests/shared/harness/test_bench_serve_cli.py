@@ -222,6 +222,43 @@ def test_a_server_that_exits_early_fails_with_its_log(monkeypatch) -> None:
             pass
 
 
+# binds its port like uvicorn: a taken port is an OSError "[Errno 98] Address already in use"
+BINDS = textwrap.dedent("""
+    import http.server, sys
+    class H(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200); self.end_headers()
+        def log_message(self, *a): pass
+    http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), H).serve_forever()
+""")
+
+
+def test_a_port_taken_before_the_server_binds_it_is_retried(monkeypatch) -> None:
+    """free_port's pick taken meanwhile (a socket bound to it here, as by another process
+    between the probe and the server's bind): the server exits, managed_server starts it
+    again on another port. Every pick taken: the last failure is the error, with its log."""
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    picks = [taken.getsockname()[1]]
+    real_free_port = bench_serve_server.free_port
+    monkeypatch.setattr(bench_serve_server, "free_port",
+                        lambda: picks.pop(0) if picks else real_free_port())
+    monkeypatch.setattr(bench_serve_server, "serve_argv", fake_serve(BINDS))
+    before = descendants()
+    try:
+        with bench_serve_server.managed_server("m", "v1", [], startup_timeout_s=30) as (url, check):
+            assert url != f"http://127.0.0.1:{taken.getsockname()[1]}"
+            check()
+        assert_gone(before)
+        monkeypatch.setattr(bench_serve_server, "free_port", lambda: taken.getsockname()[1])
+        with pytest.raises(bench_serve_server.ServerError, match=r"(?s)exited with status 1.*Address already in use"):
+            with bench_serve_server.managed_server("m", "v1", [], startup_timeout_s=30):
+                pass
+        assert_gone(before)
+    finally:
+        taken.close()
+
+
 def test_a_server_that_dies_after_it_was_ready_is_reported_with_its_log(monkeypatch) -> None:
     monkeypatch.setattr(bench_serve_server, "serve_argv", fake_serve(ONE_REQUEST))
     with bench_serve_server.managed_server("m", "v1", [], startup_timeout_s=30) as (url, check):
