@@ -175,16 +175,17 @@ STUBBORN = textwrap.dedent("""
 """)
 
 
-# answers one /health, then dies
-ONE_REQUEST = textwrap.dedent("""
+# a handler that answers every GET with 200, and the server on the port in argv[1]
+OK_SERVER = textwrap.dedent("""
     import http.server, sys
     class H(http.server.BaseHTTPRequestHandler):
         def do_GET(self):
             self.send_response(200); self.end_headers()
         def log_message(self, *a): pass
-    http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), H).handle_request()
-    print("bye", file=sys.stderr); sys.exit(4)
+    server = http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), H)
 """)
+# answers one /health, then dies
+ONE_REQUEST = OK_SERVER + 'server.handle_request()\nprint("bye", file=sys.stderr); sys.exit(4)\n'
 
 
 def fake_serve(script: str):
@@ -223,14 +224,7 @@ def test_a_server_that_exits_early_fails_with_its_log(monkeypatch) -> None:
 
 
 # binds its port like uvicorn: a taken port is an OSError "[Errno 98] Address already in use"
-BINDS = textwrap.dedent("""
-    import http.server, sys
-    class H(http.server.BaseHTTPRequestHandler):
-        def do_GET(self):
-            self.send_response(200); self.end_headers()
-        def log_message(self, *a): pass
-    http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), H).serve_forever()
-""")
+BINDS = OK_SERVER + "server.serve_forever()\n"
 
 
 def test_a_port_taken_before_the_server_binds_it_is_retried(monkeypatch) -> None:
