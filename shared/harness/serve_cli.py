@@ -41,6 +41,10 @@ def bind_socket(host: str, port: int) -> socket.socket:
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((host, port))
+    # Listening now, before uvicorn's start-up: the "listening on" line is printed next,
+    # and a client that reads it and connects at once must be queued by the kernel, not
+    # refused (uvicorn accepts from this socket once its app has started).
+    sock.listen(2048)
     return sock
 
 

@@ -54,6 +54,21 @@ def test_serve_answers_and_stops_on_sigint():
             proc.wait()
 
 
+def test_the_socket_takes_connections_before_the_server_starts():
+    """The "listening on" line is printed once bind_socket returns, before uvicorn starts:
+    a client connecting then must be queued, not refused (CI saw the refusal)."""
+    import socket
+
+    from shared.harness.serve_cli import bind_socket
+
+    sock = bind_socket("127.0.0.1", 0)
+    try:
+        with socket.create_connection(sock.getsockname()[:2], timeout=5):
+            pass
+    finally:
+        sock.close()
+
+
 @pytest.mark.parametrize("argv,words", [
     (["--model", "tiny-llama", "--port", "70000"], "--port 70000"),
     (["--model", "no-such-model"], "no-such-model"),
