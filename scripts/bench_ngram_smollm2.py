@@ -68,7 +68,10 @@ def chat_ids(engine, text: str) -> list[int]:
     return [int(t) for t in ids]
 
 
-def run(engine, max_tokens: int) -> tuple[dict, dict]:
+def run(engine, max_tokens: int, by_mode: dict | None = None) -> tuple[dict, dict]:
+    """One run of every prompt; with `by_mode` (graph mode -> StepSamples) each step's
+    stages and GPU times are recorded there too (a run of its own: the recording reads
+    CUDA events after every step, which the timed runs should not pay)."""
     from shared.contract.sampling_params import SamplingParams
     from shared.harness.measure import StepSamples
 
@@ -77,24 +80,22 @@ def run(engine, max_tokens: int) -> tuple[dict, dict]:
     for i, text in enumerate(PROMPTS):
         engine.add_request(f"p{i}", chat_ids(engine, text), params)
     tokens, steps = {}, 0
-    by_mode: dict[str, StepSamples] = {}
     t0 = time.perf_counter()
     while engine.has_unfinished_requests():
         t = time.perf_counter()
         for out in engine.step():
             tokens[out.request_id] = out.outputs[0].token_ids
-        # the step's host stages and GPU times by graph mode: a plain decode replays a FULL
-        # graph, a verify whose rows carry different draft counts runs PIECEWISE
-        mode = engine.step_stats.cudagraph_mode
-        by_mode.setdefault(mode, StepSamples()).add(engine, (time.perf_counter() - t) * 1e3)
+        if by_mode is not None:
+            # by graph mode: a plain decode replays a FULL graph, a verify whose rows
+            # carry different draft counts runs PIECEWISE
+            by_mode.setdefault(engine.step_stats.cudagraph_mode, StepSamples()).add(
+                engine, (time.perf_counter() - t) * 1e3)
         steps += 1
     seconds = time.perf_counter() - t0
     total = sum(len(t) for t in tokens.values())
     return tokens, {"seconds": seconds, "output_tokens": total, "steps": steps,
                     "output_tokens_per_s": total / seconds,
-                    "tokens_per_step_per_request": total / steps / len(PROMPTS),
-                    "steps_by_mode": {m: {"steps": len(v.wall_ms), **v.summary()}
-                                      for m, v in sorted(by_mode.items())}}
+                    "tokens_per_step_per_request": total / steps / len(PROMPTS)}
 
 
 def main() -> None:
@@ -124,11 +125,16 @@ def main() -> None:
         # the median run by wall time; every run's tokens are the same (greedy)
         tokens, res = sorted(runs, key=lambda r: r[1]["seconds"])[len(runs) // 2]
         res["seconds_all_runs"] = [r[1]["seconds"] for r in runs]
+        stats = engine.spec_decode_stats.as_dict()  # the last timed run's (greedy: any's)
+        by_mode: dict = {}
+        run(engine, args.max_tokens, by_mode)  # untimed: where each mode's steps go
+        res["steps_by_mode"] = {m: {"steps": len(v.wall_ms), **v.summary()}
+                                for m, v in sorted(by_mode.items())}
         if spec is None:
             plain_tokens = tokens
         res["tokens_equal_plain"] = tokens == plain_tokens
         if spec is not None:
-            res.update(engine.spec_decode_stats.as_dict())
+            res.update(stats)
             res["speedup_vs_plain"] = res["output_tokens_per_s"] / results["plain"]["output_tokens_per_s"]
         results[name] = res
         print(name, json.dumps({k: round(v, 3) if isinstance(v, float) else v

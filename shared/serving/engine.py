@@ -381,4 +381,3 @@ class LLMEngine:
                 f"{needed} blocks one request of max_model_len={self.max_model_len} needs; raise "
                 f"{knobs} or lower max_model_len"
             )
-

@@ -194,11 +194,14 @@ class LLM(PoolingAPI):
         pooling engine); -> the request ids. One bad prompt refuses the whole call: the
         ones already queued would otherwise run on, unseen, inside the next call."""
         request_ids: list[str] = []
+        copies: dict[int, Any] = {}  # one FINAL_ONLY copy per params object, not per prompt
         try:
             for prompt, params in zip(prompts, params_list):
                 request_id = str(self._counter)
                 self._counter += 1
-                params = _final_only(request_id, params)
+                if id(params) not in copies:
+                    copies[id(params)] = _final_only(request_id, params)
+                params = copies[id(params)]
                 self.engine.add_request(request_id, self._tokenize(prompt), params)
                 request_ids.append(request_id)
         except Exception:
