@@ -134,7 +134,8 @@ class V1CudaGraphs:
         if self.piecewise_enabled:
             piecewise = PiecewiseGraphs(
                 model, self.piecewise_sizes, self.buffers.input_ids.gpu,
-                self.buffers.positions.gpu, self.executor.dtype,
+                self.buffers.positions.gpu, self.persistent_batch.block_table.slot_mapping.gpu,
+                self.executor.dtype,
             )
         self.wrapper = CudaGraphWrapper(model, piecewise)
         # One memory pool for every graph. FULL first: its graphs keep their outputs

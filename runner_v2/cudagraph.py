@@ -112,7 +112,7 @@ class CudaGraphManager:
         if self.piecewise_enabled:
             piecewise = PiecewiseGraphs(
                 self.executor.model, self.piecewise_sizes, self.buffers.input_ids,
-                self.buffers.positions, self.executor.dtype,
+                self.buffers.positions, self.block_tables.slot_mappings, self.executor.dtype,
             )
             piecewise.capture(self.pool, "V2")
             self.piecewise = piecewise

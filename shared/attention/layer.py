@@ -39,8 +39,7 @@ class Attention(nn.Module):
         num_tokens = q.shape[0]
         query = q.view(num_tokens, self.num_heads, self.head_dim)
         output = torch.empty_like(query)
-        ctx = get_forward_context()
-        metadata = None if ctx is None or ctx.attn_metadata is None else ctx.attn_metadata[self.layer_name]
+        metadata = self._metadata()
         if metadata is None or self.kv_cache is None:
             # A run without metadata (memory profiling, warm-up) touches no cache.
             output.zero_()
@@ -57,3 +56,35 @@ class Attention(nn.Module):
             write_kv(key, value, key_cache, value_cache, common.slot_mapping)
             self.impl.forward(query, key_cache, value_cache, metadata, output)
         return output.view(num_tokens, -1)
+
+    # ---- the two halves of forward, for the piecewise graphs -----------------------------
+    # The KV write only reads per-token inputs and the slot mapping, so a piecewise graph
+    # records it at the end of the segment that computes k and v (slot_mapping is then the
+    # runner's persistent buffer); attention reads the batch layout and runs eagerly.
+    def write_new_kv(self, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        """Store k, v [T, Hkv*D] at slot_mapping [>= T] (PAD slots skipped)."""
+        if self.kv_cache is None:
+            raise RuntimeError(f"{self.layer_name}: the KV cache is not bound yet")
+        num_tokens = k.shape[0]
+        write_kv(k.view(num_tokens, self.num_kv_heads, self.head_dim),
+                 v.view(num_tokens, self.num_kv_heads, self.head_dim),
+                 self.kv_cache[0], self.kv_cache[1], slot_mapping)
+
+    def attend(self, q: torch.Tensor, output: torch.Tensor) -> None:
+        """Attention of q [T, H*D] over the cache, whose new K/V write_new_kv already
+        stored, into output [T, H*D]. Never the fused write-and-attend kernel (the write
+        is done); rows of tokens outside the metadata's requests are left unwritten."""
+        metadata = self._metadata()
+        num_tokens = q.shape[0]
+        out = output.view(num_tokens, self.num_heads, self.head_dim)
+        if metadata is None or self.kv_cache is None:
+            out.zero_()
+            return
+        self.impl.forward(q.view(num_tokens, self.num_heads, self.head_dim),
+                          self.kv_cache[0], self.kv_cache[1], metadata, out)
+
+    def _metadata(self):
+        ctx = get_forward_context()
+        if ctx is None or ctx.attn_metadata is None:
+            return None
+        return ctx.attn_metadata[self.layer_name]

@@ -19,14 +19,14 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from shared.attention.backend import AttentionBackend
 from shared.attention.decode_attention import decode_attention
 from shared.attention.metadata import CommonAttentionMetadata
-from shared.attention.triton_unified_attention import paged_attention
+from shared.attention.triton_unified_attention import PagedAttentionPlan
 from shared.runtime.kernel_options import kernel_options
 from shared.runtime.triton_utils import next_power_of_2
 
@@ -49,6 +49,9 @@ class TritonAttentionMetadata:
     block_table: torch.Tensor  # int32 [R, max_blocks_per_req], device
     run_single_query: bool
     run_multi_query: bool
+    # The step's paged-attention launch plans, one per attention shape, built by the
+    # first layer that needs one (TritonAttentionImpl.forward); see PagedAttentionPlan.
+    plans: dict = field(default_factory=dict)
 
 
 class TritonMetadataBuilder:
@@ -159,14 +162,19 @@ class TritonAttentionImpl:
         metadata: TritonAttentionMetadata,
         output: torch.Tensor,  # [T, H, D]
     ) -> None:
-        paged_attention(
-            query, key_cache, value_cache, output,
-            metadata.query_start_loc, metadata.seq_lens, metadata.block_table,
-            self.scale,
-            run_single_query=metadata.run_single_query,
-            run_multi_query=metadata.run_multi_query,
-            num_splits=self.splits_for(metadata.seq_lens.shape[0], query.device),
-        )
+        # Layers of one shape share a plan: the first builds it (split count, configs,
+        # grids, partials), the others only launch.
+        key = (self.num_heads, self.num_kv_heads, self.head_dim, self.scale)
+        plan = metadata.plans.get(key)
+        if plan is None:
+            plan = metadata.plans[key] = PagedAttentionPlan.build(
+                query, key_cache, value_cache, output,
+                metadata.query_start_loc, metadata.seq_lens, metadata.block_table, self.scale,
+                run_single_query=metadata.run_single_query,
+                run_multi_query=metadata.run_multi_query,
+                num_splits=self.splits_for(metadata.seq_lens.shape[0], query.device),
+            )
+        plan.launch(query, key_cache, value_cache, output)
 
 
 class TritonBackend(AttentionBackend):

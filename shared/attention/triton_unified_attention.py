@@ -125,40 +125,102 @@ def paged_attention(
     also those of length 1) go to the tiled multi-query mapping. Launch shapes depend
     only on T, R, the head shape and num_splits.
     """
-    num_tokens, num_heads, head_dim = query.shape
-    _, kv_block_size, num_kv_heads, _ = key_cache.shape
-    num_reqs = seq_lens.shape[0]
-    check_launch(query, key_cache, value_cache, output, query_start_loc, seq_lens, block_table,
-                 num_splits)
-    if num_tokens == 0 or num_reqs == 0:
-        return
-    group = num_heads // num_kv_heads
-    block_d = max(16, next_power_of_2(head_dim))
-    dot_dtype = dot_dtype_for(query.dtype)
-    launch = _Launch(
-        tensors=(output, query, key_cache, value_cache, block_table, seq_lens, query_start_loc),
-        runtime=(scale * LOG2E, num_reqs, *output.stride(), *query.stride(),
-                 *key_cache.stride(), *value_cache.stride(), block_table.stride(0)),
-        consts=dict(
+    plan = PagedAttentionPlan.build(
+        query, key_cache, value_cache, output, query_start_loc, seq_lens, block_table, scale,
+        run_single_query, run_multi_query, num_splits)
+    plan.launch(query, key_cache, value_cache, output)
+
+
+@dataclass(frozen=True)
+class PagedAttentionPlan:
+    """One step's paged-attention launches minus the layer's own tensors: grids, launch
+    arguments, split partials. Every layer of a step launches the same shapes over the
+    same metadata, so the backend builds this once per step (TritonAttentionImpl keeps
+    it on the step's metadata) and each layer pays only its launches: on a model of
+    many thin layers the set-up, repeated per layer, cost about as much as the launches
+    (scripts/bench_attention_host.py). The partials are shared by the layers: a layer's
+    split kernel and reduction are done before the next layer's start (one stream), also
+    inside a captured graph, where they come from the graph's pool.
+    """
+
+    signature: tuple  # query shape and the four tensors' strides it was built for
+    metadata: tuple  # block_table, seq_lens, query_start_loc
+    partials: tuple  # part_out, part_max, part_sum (placeholders with one split)
+    runtime: tuple  # qk_scale, num_reqs, strides
+    single: tuple | None  # (grid, kwargs) of the single-query mapping, or None
+    multi: tuple | None  # (grid, kwargs) of the multi-query mapping, or None
+    reduce: tuple | None  # (grid, kwargs) of the split reduction, or None
+
+    @staticmethod
+    def signature_of(query, key_cache, value_cache, output) -> tuple:
+        return (query.shape, query.stride(), key_cache.shape, key_cache.stride(),
+                value_cache.stride(), output.stride())
+
+    @classmethod
+    def build(cls, query, key_cache, value_cache, output, query_start_loc, seq_lens,
+              block_table, scale: float, run_single_query: bool, run_multi_query: bool,
+              num_splits: int) -> PagedAttentionPlan:
+        num_tokens, num_heads, head_dim = query.shape
+        _, kv_block_size, num_kv_heads, _ = key_cache.shape
+        num_reqs = seq_lens.shape[0]
+        check_launch(query, key_cache, value_cache, output, query_start_loc, seq_lens,
+                     block_table, num_splits)
+        if num_tokens == 0 or num_reqs == 0:
+            run_single_query = run_multi_query = False
+        group = num_heads // num_kv_heads
+        block_d = max(16, next_power_of_2(head_dim))
+        dot_dtype = dot_dtype_for(query.dtype)
+        wide = query.element_size() >= 4
+        consts = dict(
             GROUP=group, HEAD_DIM=head_dim, BLOCK_D=block_d, KV_BLOCK_SIZE=kv_block_size,
             MIN_TILES_PER_SPLIT=min_tiles_per_split(), DOT_DTYPE=dot_dtype,
             DOT_PRECISION=dot_precision_for(dot_dtype),
-        ),
-    )
-    if run_single_query:
-        _launch_single_query(launch, num_reqs, num_kv_heads, num_splits)
-    if run_multi_query:
-        cfg = _multi_query_config(group, block_d, query.element_size() >= 4)
-        grid = (num_tokens // cfg.block_q + num_reqs, num_kv_heads, 1)
-        # When the single-query mapping also runs it owns the length-1 rows.
-        min_q = 2 if run_single_query else 1
-        out = launch.tensors[0]
-        paged_attention_kernel[grid](
-            *launch.tensors, out, out, out, *launch.runtime, **launch.consts,
-            BLOCK_M=cfg.block_m, BLOCK_Q=cfg.block_q, TILE_N=cfg.tile_n,
-            SINGLE_QUERY=False, MIN_QUERY_LEN=min_q, NUM_SPLITS=1,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
+        single = multi = reduce = None
+        partials = split_partials(query, num_reqs, num_splits) if run_single_query else (
+            query, query, query)
+        if run_single_query:
+            cfg = single_query_config(group, block_d, wide)
+            single = ((num_reqs, num_kv_heads, num_splits), dict(
+                consts, BLOCK_M=cfg.block_m, BLOCK_Q=1, TILE_N=cfg.tile_n, SINGLE_QUERY=True,
+                MIN_QUERY_LEN=1, NUM_SPLITS=num_splits, num_warps=cfg.num_warps,
+                num_stages=cfg.num_stages, **pdl_launch(query)))
+            if num_splits > 1:
+                reduce = ((num_reqs, num_heads), dict(
+                    HEAD_DIM=head_dim, BLOCK_D=block_d, TILE_N=cfg.tile_n,
+                    NUM_SPLITS=num_splits, BLOCK_S=next_power_of_2(num_splits),
+                    MIN_TILES_PER_SPLIT=consts["MIN_TILES_PER_SPLIT"], num_warps=4,
+                    **pdl_launch(output)))
+        if run_multi_query:
+            cfg = _multi_query_config(group, block_d, wide)
+            # When the single-query mapping also runs it owns the length-1 rows.
+            multi = ((num_tokens // cfg.block_q + num_reqs, num_kv_heads, 1), dict(
+                consts, BLOCK_M=cfg.block_m, BLOCK_Q=cfg.block_q, TILE_N=cfg.tile_n,
+                SINGLE_QUERY=False, MIN_QUERY_LEN=2 if run_single_query else 1,
+                NUM_SPLITS=1, num_warps=cfg.num_warps, num_stages=cfg.num_stages))
+        runtime = (scale * LOG2E, num_reqs, *output.stride(), *query.stride(),
+                   *key_cache.stride(), *value_cache.stride(), block_table.stride(0))
+        return cls(cls.signature_of(query, key_cache, value_cache, output),
+                   (block_table, seq_lens, query_start_loc), partials, runtime, single, multi,
+                   reduce)
+
+    def launch(self, query, key_cache, value_cache, output) -> None:
+        """The launches over one layer's tensors, which must have the plan's shapes and
+        strides (the strides are launch arguments built into it)."""
+        assert self.signature_of(query, key_cache, value_cache, output) == self.signature, (
+            "a layer whose attention tensors differ in shape or layout from the plan's")
+        head = (output, query, key_cache, value_cache, *self.metadata)
+        if self.single is not None:
+            grid, kwargs = self.single
+            paged_attention_kernel[grid](*head, *self.partials, *self.runtime, **kwargs)
+            if self.reduce is not None:
+                grid, kwargs = self.reduce
+                block_table, seq_lens, query_start_loc = self.metadata
+                reduce_splits_kernel[grid](output, *self.partials, seq_lens, query_start_loc,
+                                           *output.stride(), **kwargs)
+        if self.multi is not None:
+            grid, kwargs = self.multi
+            paged_attention_kernel[grid](*head, output, output, output, *self.runtime, **kwargs)
 
 
 def check_launch(query, key_cache, value_cache, output, query_start_loc, seq_lens,
@@ -202,26 +264,3 @@ def reduce_splits(output: torch.Tensor, partials: tuple, seq_lens: torch.Tensor,
         NUM_SPLITS=num_splits, BLOCK_S=next_power_of_2(num_splits),
         MIN_TILES_PER_SPLIT=min_tiles_per_split(), num_warps=4, **pdl_launch(output),
     )
-
-
-@dataclass(frozen=True)
-class _Launch:
-    tensors: tuple  # output, query, key_cache, value_cache, block_table, seq_lens, qsl
-    runtime: tuple  # qk_scale, num_reqs, strides
-    consts: dict  # constexprs shared by both mappings
-
-
-def _launch_single_query(launch: _Launch, num_reqs: int, num_kv_heads: int,
-                         num_splits: int) -> None:
-    output, query = launch.tensors[0], launch.tensors[1]
-    block_d = launch.consts["BLOCK_D"]
-    cfg = single_query_config(launch.consts["GROUP"], block_d, query.element_size() >= 4)
-    partials = split_partials(query, num_reqs, num_splits)
-    paged_attention_kernel[(num_reqs, num_kv_heads, num_splits)](
-        *launch.tensors, *partials, *launch.runtime, **launch.consts,
-        BLOCK_M=cfg.block_m, BLOCK_Q=1, TILE_N=cfg.tile_n,
-        SINGLE_QUERY=True, MIN_QUERY_LEN=1, NUM_SPLITS=num_splits,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(query),
-    )
-    seq_lens, query_start_loc = launch.tensors[5], launch.tensors[6]
-    reduce_splits(output, partials, seq_lens, query_start_loc, cfg.tile_n, num_splits)

@@ -288,6 +288,17 @@ class LlamaModel(nn.Module):
         forward context): what runs eagerly between segments index and index + 1."""
         return self.layers[index].self_attn.attn(q, k, v)
 
+    def write_kv(
+        self, index: int, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor
+    ) -> None:
+        """The KV-write half of attention `index` (what a piecewise graph records at the
+        end of segment `index`)."""
+        self.layers[index].self_attn.attn.write_new_kv(k, v, slot_mapping)
+
+    def attend(self, index: int, q: torch.Tensor, output: torch.Tensor) -> None:
+        """The attention half of attention `index`, into output (its KV already written)."""
+        self.layers[index].self_attn.attn.attend(q, output)
+
     def forward_piecewise_eager(
         self, input_ids: torch.Tensor, positions: torch.Tensor
     ) -> torch.Tensor:

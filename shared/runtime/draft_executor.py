@@ -78,7 +78,7 @@ class DraftForward:
         if self.capture_sizes:
             self.piecewise = PiecewiseGraphs(
                 self.executor.model, self.capture_sizes, self.input_ids, self.positions,
-                self.executor.dtype,
+                self.slot_mapping, self.executor.dtype,
             )
             self.piecewise.capture(pool, "draft")
         self.captured = True

@@ -5,11 +5,15 @@ here the model exposes it by hand: LlamaModel.forward_segment / attention). V1 r
 them through its implicit wrapper (runner_v1/cudagraph.py), V2 by descriptor
 (runner_v2/cudagraph.py).
 
-A segment only does per-token work (embedding, norms, matmuls, RoPE, MLP / MoE), so a
-graph captured at S tokens serves any batch of <= S tokens whatever its mix of
-prefills and decodes; attention is the one piece that depends on the batch layout
-(query_start_loc, seq_lens, block tables), so it stays eager and reads the step's
-metadata from the forward context.
+A segment only does per-token work (embedding, norms, matmuls, RoPE, MLP / MoE, and
+the KV write of the attention after it, which reads the runner's persistent slot
+mapping), so a graph captured at S tokens serves any batch of <= S tokens whatever its
+mix of prefills and decodes; attention itself is the one piece that depends on the
+batch layout (query_start_loc, seq_lens, block tables), so it stays eager and reads the
+step's metadata from the forward context. Recording the KV write takes one launch per
+layer off the eager part, which sets the host cost of a piecewise step on a model of
+many thin layers (scripts/bench_attention_host.py measures the pieces). The KV caches
+are therefore bound before capture and never rebound, as FULL graphs already require.
 
 Static buffers: every segment graph reads its inputs from, and copies its outputs into,
 views [:S] of buffers allocated here once at the largest size (plus the runner's
@@ -19,7 +23,7 @@ memory, since replays never overlap and nothing a graph allocated is read after 
 
 Padding (S > num_tokens): tokens num_tokens..S-1 are padding. The runner's input prep
 writes input_ids 0, positions 0 (in range for the embedding and RoPE) and slot_mapping
-PAD there; the attention metadata covers the real requests only (num_reqs is not
+PAD there (so the recorded KV write skips them); the attention metadata covers the real requests only (num_reqs is not
 padded), so padded tokens attend to nothing and write no KV. Their rows carry garbage
 (attention leaves them unwritten, and the static buffers hold whatever an earlier,
 larger step left), but every segment op is per token (norm, linear, MLP, MoE routing),
@@ -39,7 +43,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from shared.attention.metadata import PAD_SLOT_ID
 from shared.runtime.cudagraph_utils import Replayable, no_gc_during_capture
+from shared.runtime.forward_context import get_forward_context
 
 logger = logging.getLogger("runnerlab")
 
@@ -50,6 +56,7 @@ class _Views:
 
     input_ids: torch.Tensor  # int32 [S], the runner's persistent buffer
     positions: torch.Tensor  # int64 [S], the runner's persistent buffer
+    slot_mapping: torch.Tensor  # int64 [S], the runner's persistent buffer
     q: torch.Tensor  # [S, H*D]
     k: torch.Tensor  # [S, Hkv*D]
     v: torch.Tensor  # [S, Hkv*D]
@@ -79,6 +86,7 @@ class PiecewiseGraphs:
         capture_sizes: list[int],
         input_ids: torch.Tensor,  # int32 [>= max size]: the runner's persistent device buffer
         positions: torch.Tensor,  # int64 [>= max size]: the runner's persistent device buffer
+        slot_mapping: torch.Tensor,  # int64 [>= max size]: the runner's persistent device buffer
         dtype: torch.dtype,
     ) -> None:
         if not capture_sizes:
@@ -86,12 +94,14 @@ class PiecewiseGraphs:
         self.model = split_model(model)
         self.capture_sizes = sorted(capture_sizes)
         max_size = self.capture_sizes[-1]
-        if input_ids.shape[0] < max_size or positions.shape[0] < max_size:
+        held = min(input_ids.shape[0], positions.shape[0], slot_mapping.shape[0])
+        if held < max_size:
             raise ValueError(
-                f"input buffers hold {input_ids.shape[0]} tokens, the largest piecewise "
-                f"capture size is {max_size}"
+                f"input buffers hold {held} tokens, the largest piecewise capture size is "
+                f"{max_size}"
             )
-        self.input_ids, self.positions = input_ids, positions
+        assert slot_mapping.dtype == torch.int64, slot_mapping.dtype
+        self.input_ids, self.positions, self.slot_mapping = input_ids, positions, slot_mapping
         self.num_layers = self.model.num_segments - 1
         device = input_ids.device
         q_size, kv_size = self._attention_widths()
@@ -126,9 +136,11 @@ class PiecewiseGraphs:
         start = time.perf_counter()
         free_before = torch.cuda.mem_get_info()[0] if on_cuda else 0
         # Capture happens at start-up, before any step: zero inputs keep the warm-up
-        # runs in range (token 0, position 0) whatever the buffers held.
+        # runs in range (token 0, position 0) whatever the buffers held, and PAD slots
+        # keep them (and the recording) from writing KV.
         self.input_ids[: self.capture_sizes[-1]].zero_()
         self.positions[: self.capture_sizes[-1]].zero_()
+        self.slot_mapping[: self.capture_sizes[-1]].fill_(PAD_SLOT_ID)
         with no_gc_during_capture():
             for size in reversed(self.capture_sizes):
                 self._views[size] = self._make_views(size)
@@ -159,7 +171,8 @@ class PiecewiseGraphs:
 
     def _make_views(self, size: int) -> _Views:
         return _Views(
-            self.input_ids[:size], self.positions[:size], self.q[:size], self.k[:size],
+            self.input_ids[:size], self.positions[:size], self.slot_mapping[:size],
+            self.q[:size], self.k[:size],
             self.v[:size], self.attn_output[:size], self.residual[:size],
             self.hidden_states[:size],
         )
@@ -167,7 +180,8 @@ class PiecewiseGraphs:
     def _segment(self, index: int, views: _Views) -> None:
         """The captured body of one segment: read the static views, run the segment,
         copy its results into the static views (so nothing the graph allocated outlives
-        it: its temporaries may share the pool with every other graph)."""
+        it: its temporaries may share the pool with every other graph), and store the
+        next attention's K/V at the persistent slot mapping."""
         out = self.model.forward_segment(
             index, views.input_ids, views.positions, views.attn_output, views.residual
         )
@@ -179,6 +193,7 @@ class PiecewiseGraphs:
         views.k.copy_(k)
         views.v.copy_(v)
         views.residual.copy_(residual)
+        self.model.write_kv(index, views.k, views.v, views.slot_mapping)
 
     # ---- run ----------------------------------------------------------------------------
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -191,12 +206,23 @@ class PiecewiseGraphs:
         views = self._views[size]
         assert input_ids.data_ptr() == views.input_ids.data_ptr(), "not the persistent input_ids"
         assert positions.data_ptr() == views.positions.data_ptr(), "not the persistent positions"
+        self._check_slot_mapping()
         graphs = self.graphs[size]
         graphs[0].replay()
         for index in range(self.num_layers):
-            # Eager: KV write at slot_mapping (PAD skipped) + paged attention for the
-            # real requests; the padded rows of its output are left unwritten.
-            out = self.model.attention(index, views.q, views.k, views.v)
-            views.attn_output.copy_(out)
+            # Eager: paged attention for the real requests over the KV the segment just
+            # wrote; the padded rows of its output are left unwritten.
+            self.model.attend(index, views.q, views.attn_output)
             graphs[index + 1].replay()
         return views.hidden_states
+
+    def _check_slot_mapping(self) -> None:
+        """The recorded KV writes read the persistent slot mapping: the step's metadata
+        must describe that buffer, or its tokens' K/V would land in the wrong slots."""
+        ctx = get_forward_context()
+        if ctx is None or not ctx.attn_metadata or not self.num_layers:
+            return
+        metadata = next(iter(ctx.attn_metadata.values()))
+        slots = getattr(metadata, "common", metadata).slot_mapping
+        assert slots.data_ptr() == self.slot_mapping.data_ptr(), (
+            "the step's slot_mapping is not the persistent buffer the graphs write through")

@@ -14,7 +14,7 @@ from runner_v1.cudagraph import CudaGraphWrapper
 from shared.runtime.cudagraph_utils import BatchDescriptor, padded_size
 from shared.runtime.forward_context import set_forward_context
 from tests.shared.runtime.eager_graphs import use_eager_graphs
-from tests.shared.runtime.test_piecewise_graphs import captured_setup
+from tests.shared.runtime.test_piecewise_graphs import captured_setup, through_persistent_slots
 
 
 @pytest.fixture(scope="module")
@@ -23,9 +23,10 @@ def setup():
 
 
 def test_wrapper_routes_piecewise_steps_and_falls_back_to_eager(setup) -> None:
-    harness, graphs, input_ids, positions = setup
+    harness, graphs, input_ids, positions, slot_mapping = setup
     rows = [([5, 6, 7], 0, [0]), ([8, 9], 0, [1])]
     ids, pos, md = harness.inputs(rows, pad=3)
+    md = through_persistent_slots(slot_mapping, md, 8)
     input_ids[:8], positions[:8] = ids.to(torch.int32), pos
     calls = []
     wrapper = CudaGraphWrapper(lambda i, p: calls.append(i.shape[0]) or "eager", graphs)

@@ -155,3 +155,42 @@ def test_split_count_depends_on_padded_rows_only():
     assert num_splits_for(8, 8, 132, 64) == 16
     assert num_splits_for(1, 8, 132, 64) == 64  # batch 1 x 32k: 512 programs
     assert num_splits_for(1, 8, 132, 16) == 16  # capped
+
+
+def test_layers_of_one_step_share_a_launch_plan():
+    """One step's metadata serves every layer: the first builds the launch plan (split
+    partials included), the next layers only launch, each over its own query and cache.
+    Each layer must still equal the oracle over its own tensors, also after a layer of
+    another head shape (a plan of its own), and a layer whose tensors are laid out
+    otherwise than the plan's is refused rather than launched with the plan's strides."""
+    kv_heads, dim = 2, 32
+    step = make_batch([1, 1, 5, 3], [40, 9, 30, 3], 4, kv_heads, dim, 8, pad_reqs=1,
+                      pad_tokens=2)
+    backend = TritonBackend(num_splits=4)  # split partials and the reduction, shared
+    metadata = backend.make_builder(step.query.device).build(step.common)
+    oracle_md = TorchBackend().make_builder(step.query.device).build(step.common)
+    gen = torch.Generator().manual_seed(3)
+    n = step.num_actual_tokens
+
+    def layer(heads: int):
+        query = torch.randn(step.query.shape[0], heads, dim, generator=gen)
+        caches = [torch.randn(step.key_cache.shape, generator=gen) for _ in range(2)]
+        impl = backend.make_impl(heads, dim, kv_heads, dim**-0.5)
+        out = torch.full_like(query, float("nan"))
+        impl.forward(query, *caches, metadata, out)
+        want = torch.zeros_like(query)
+        TorchBackend().make_impl(heads, dim, kv_heads, dim**-0.5).forward(
+            query, *caches, oracle_md, want)
+        torch.testing.assert_close(out[:n], want[:n], atol=ATOL, rtol=RTOL)
+        assert out[n:].isnan().all()
+        return impl, query, caches
+
+    for _ in range(3):
+        impl, query, caches = layer(4)
+    assert len(metadata.plans) == 1
+    layer(8)
+    assert len(metadata.plans) == 2
+    layer(4)  # back to the first plan
+    strided = query.transpose(0, 1).contiguous().transpose(0, 1)  # same values, other strides
+    with pytest.raises(AssertionError, match="layout"):
+        impl.forward(strided, *caches, metadata, torch.empty_like(strided))
