@@ -112,6 +112,17 @@ class IncrementalDetokenizer:
             self._chunks[:] = ["".join(self._chunks)]
         return self._chunks[0] if self._chunks else ""
 
+    def final_text(self) -> str:
+        """The text of a finished request: output_text plus the held tail, decoded as it
+        stands (an incomplete UTF-8 sequence the request ended in shows as U+FFFD, as a
+        whole decode shows it). After a stop string, output_text as cut."""
+        text = self.output_text
+        if self._stop_reason is not None or len(self._ids) <= self._read:
+            return text
+        prefix_text = self._decode(self._ids[self._prefix:self._read])
+        window = self._decode(self._ids[self._prefix:])
+        return text + window[len(prefix_text):] if window.startswith(prefix_text) else text
+
     @property
     def stop_reason(self) -> str | None:
         """The stop string that ended the request, if one did."""

@@ -239,7 +239,12 @@ class LLMEngine:
                pooling: PoolingParams | None = None) -> None:
         request = Request(request_id, prompt_token_ids, params, self.eos_token_id, self._arrivals)
         request.pooling_params = pooling
-        if params.stop:
+        # Stop strings are matched on the text as it grows; an output that reports text
+        # every step (CUMULATIVE, DELTA) grows it a token at a time too, rather than
+        # decoding the whole output again at each step (O(length) a step). FINAL_ONLY
+        # decodes once, when the request finishes (shared/serving/request_output.py).
+        if params.stop or (self.tokenizer is not None
+                           and params.output_kind is not RequestOutputKind.FINAL_ONLY):
             request.detokenizer = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params)
         self._arrivals += 1
         self.scheduler.add_request(request)

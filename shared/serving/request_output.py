@@ -38,11 +38,14 @@ def request_output(update: Any, tokenizer: Any,
                                     PoolingOutput(req.pooler_output), update.finished)
     params = req.sampling_params
     text = ""
-    if req.detokenizer is not None:  # stop strings: the text as matched, truncated
-        text = req.detokenizer.output_text
+    if req.detokenizer is not None:
+        # grown token by token (stop strings, or an output kind that reports every step);
+        # a finished request's held tail (an incomplete character) is decoded as it is
+        detok = req.detokenizer
+        text = detok.final_text() if update.finished else detok.output_text
     elif tokenizer is not None:
-        # Without stop strings nothing needs the text before it is returned, so it is
-        # decoded here rather than token by token inside the engine loop.
+        # FINAL_ONLY without stop strings: nothing needs the text before it is returned,
+        # so it is decoded once here rather than token by token inside the engine loop.
         text = tokenizer.decode(req.output_token_ids,
                                 skip_special_tokens=params.skip_special_tokens)
     wants_logprobs = params.logprobs is not None

@@ -29,7 +29,12 @@ from shared.serving.api.protocol import (
     CompletionRequest,
     parse_body,
 )
-from shared.serving.api.streaming import final_outputs, response_events, response_header
+from shared.serving.api.streaming import (
+    final_outputs,
+    response_events,
+    response_header,
+    stream_params,
+)
 from shared.serving.chat import ChatTemplateError, chat_prompt_token_ids
 from shared.serving.engine import EngineInputError, LLMEngine
 
@@ -135,6 +140,8 @@ async def _respond(request: Request, state: ServerState, req: Any, prompts: list
     """Admit every prompt (a refusal aborts the ones admitted), then stream or answer."""
     stream = state.async_engine.stream()
     header = response_header(req, state.model_name)
+    if req.stream:
+        params = stream_params(params)
     order = [f"{header.id}-{i}" for i in range(len(prompts))]  # request i: prompt i
     try:
         for request_id, prompt, sp in zip(order, prompts, params):

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from shared.contract.outputs import RequestOutput
-from shared.contract.sampling_params import SamplingParams
+from shared.contract.sampling_params import RequestOutputKind, SamplingParams
 from shared.serving.engine import LLMEngine
 
 logger = logging.getLogger("runnerlab")
@@ -50,6 +50,7 @@ class _Stream:
     last_token: float | None = None
     num_tokens: int = 0
     aborted: bool = False  # by its client: its outputs are counted, never delivered
+    delta: bool = False  # its outputs are DELTA (what each step added), else CUMULATIVE
 
 
 class ResponseStream:
@@ -102,9 +103,9 @@ class EngineSnapshot:
 
 class AsyncEngine:
     def __init__(self, engine: LLMEngine, observer: Any = None, idle_wait_s: float = 0.5):
-        # requests keep SamplingParams' default output_kind, CUMULATIVE: every request
-        # that advanced, with its whole output so far (the streams and the TTFT / ITL
-        # metrics read each step's)
+        # every request reports each step that advanced it (the TTFT / ITL metrics read
+        # them): streamed ones as DELTA (streaming.stream_params), the others with the
+        # default CUMULATIVE
         self.engine = engine
         self.observer = observer  # ServerMetrics or None: TTFT / ITL / step times
         self._idle_wait_s = idle_wait_s
@@ -187,6 +188,7 @@ class AsyncEngine:
         except Exception as exc:  # noqa: BLE001 (handed to the request's handler)
             admitted.set_exception(exc)
             return
+        stream.delta = params.output_kind is RequestOutputKind.DELTA
         self._streams[request_id] = stream
         admitted.set_result(None)
 
@@ -226,6 +228,8 @@ class AsyncEngine:
 
     def _observe_tokens(self, stream: _Stream, out: RequestOutput, now: float) -> None:
         num_tokens = sum(len(c.token_ids) for c in out.outputs)
+        if stream.delta:  # this step's tokens only
+            num_tokens += stream.num_tokens
         new = num_tokens - stream.num_tokens
         if new > 0 and self.observer is not None:
             if stream.last_token is None:

@@ -6,11 +6,12 @@ number choices as OpenAI does: prompt i's sample j is choice i * n + j.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import AsyncIterator
 from typing import Any
 
 from shared.contract.outputs import CompletionOutput, RequestOutput
-from shared.contract.sampling_params import SamplingParams
+from shared.contract.sampling_params import RequestOutputKind, SamplingParams
 from shared.serving.api.async_engine import EngineStepError, ResponseStream
 from shared.serving.api.protocol import ChatCompletionRequest
 from shared.serving.api.responses import (
@@ -22,7 +23,6 @@ from shared.serving.api.responses import (
     sse,
     usage,
 )
-from shared.serving.output_delta import OutputDelta, holdback_for
 
 
 def _is_chat(req: Any) -> bool:
@@ -74,10 +74,9 @@ async def final_outputs(stream: ResponseStream, order: list[str], req: Any,
 
 
 class _Choice:
-    """One streamed choice: what has been sent, and where its logprob offsets are."""
+    """One streamed choice: whether it is done, and where its logprob offsets are."""
 
-    def __init__(self, holdback: int) -> None:
-        self.delta = OutputDelta(holdback)
+    def __init__(self) -> None:
         self.text_offset = 0  # completions logprobs: characters of the tokens sent
         self.done = False
         self.started = False  # chat: the role has been sent
@@ -85,37 +84,46 @@ class _Choice:
 
 def _chunk_choice(req: Any, state: _Choice, index: int, c: CompletionOutput,
                   finished: bool) -> dict[str, Any] | None:
-    """This step's chunk for one choice, or None when it has nothing to send."""
-    text, first, end = state.delta.advance(c.text, len(c.token_ids), finished)
-    if not (text or finished or (req.return_token_ids and end > first)):
+    """This step's chunk for one choice from its DELTA output (the engine has held back
+    an incomplete character and a possible stop-string start already), or None when it
+    has nothing to send."""
+    if not (c.text or finished or (req.return_token_ids and c.token_ids)):
         return None
-    logprobs = _logprobs(req, c, first, end, state.text_offset)
+    logprobs = _logprobs(req, c, 0, len(c.token_ids), state.text_offset)
     if logprobs is not None and not _is_chat(req):
         state.text_offset += sum(len(t) for t in logprobs["tokens"])
     choice: dict[str, Any] = {"index": index}
     if _is_chat(req):
-        choice["delta"] = {"content": text} if text or not finished else {}
+        choice["delta"] = {"content": c.text} if c.text or not finished else {}
     else:
-        choice["text"] = text
+        choice["text"] = c.text
     choice["logprobs"] = logprobs
-    choice.update(choice_extras(c, finished, c.token_ids[first:end]
-                                if req.return_token_ids else None))
+    choice.update(choice_extras(c, finished, c.token_ids if req.return_token_ids else None))
     return choice
+
+
+def stream_params(params: list[SamplingParams]) -> list[SamplingParams]:
+    """A streamed response's engine requests report DELTA outputs: each step only what
+    it added, so neither the engine nor the stream copies a whole output per step."""
+    return [dataclasses.replace(p, output_kind=RequestOutputKind.DELTA) for p in params]
 
 
 async def response_events(stream: ResponseStream, order: list[str], req: Any,
                   params: list[SamplingParams], header: ResponseHeader) -> AsyncIterator[str]:
+    """The event stream of requests added with stream_params' DELTA outputs."""
     prompt_of = {rid: i for i, rid in enumerate(order)}
     choices: dict[int, _Choice] = {}
-    latest: dict[str, RequestOutput] = {}
+    prompt_tokens: dict[str, int] = {}
+    completion_tokens = 0
     try:
         async for out in stream:
-            latest[out.request_id] = out
             p = prompt_of[out.request_id]
+            prompt_tokens[out.request_id] = len(out.prompt_token_ids)
             for c in out.outputs:
+                completion_tokens += len(c.token_ids)
                 index = p * req.n + c.index
-                state = choices.setdefault(index, _Choice(holdback_for(params[p])))
-                if state.done:  # n > 1: a finished sample repeats in its parent's outputs
+                state = choices.setdefault(index, _Choice())
+                if state.done:  # nothing follows a finished sample's last piece
                     continue
                 if _is_chat(req) and not state.started:
                     state.started = True
@@ -133,5 +141,5 @@ async def response_events(stream: ResponseStream, order: list[str], req: Any,
         yield sse("[DONE]")
         return
     if req.include_usage:
-        yield sse(header.body([], usage=_usage([latest[r] for r in order])))
+        yield sse(header.body([], usage=usage(sum(prompt_tokens.values()), completion_tokens)))
     yield sse("[DONE]")

@@ -353,3 +353,31 @@ def test_decode_token(tok, pools):
     assert decode_token(tok, 2) == "<|im_end|>"
     assert decode_token(tok, partial[0]).endswith("\ufffd")
     assert decode_token(tok, len(tok)) == "" and decode_token(tok, -1) == ""
+
+
+@pytest.mark.parametrize("skip", [True, False])
+def test_final_text_is_decode_also_with_a_held_tail(tok, pools, skip):
+    """A request that ends on an incomplete character: final_text shows the held tail as
+    a whole decode does (U+FFFD), output_text still holds it back."""
+    rng = random.Random(99 + skip)
+    ended_held = 0
+    for _ in range(150):
+        prompt = tok.encode(rng.choice(PROMPTS))
+        ids = random_ids(rng, tok, pools, rng.randint(1, 40))
+        d = detokenize(tok, prompt, ids, skip_special_tokens=skip)
+        full = tok.decode(ids, skip_special_tokens=skip)
+        assert d.final_text() == full, (ids, d.final_text(), full)
+        ended_held += d.output_text != full
+    assert ended_held > 30, "many sequences should end in an incomplete character"
+
+
+def test_final_text_after_a_stop_string_is_the_cut_text(tok):
+    ids = tok.encode("alpha beta gamma delta")
+    d = IncrementalDetokenizer(tok, [], SamplingParams(stop=[" gamma"]))
+    reasons = []
+    for i in ids:
+        reasons.append(d.append(i))
+        if reasons[-1] is not None:
+            break
+    assert reasons[-1] == " gamma"
+    assert d.final_text() == d.output_text == "alpha beta"

@@ -150,3 +150,51 @@ def test_generate_returns_finished_outputs_whatever_the_kind(tokenizer):
     assert out.finished and out.outputs[0].token_ids == last.outputs[0].token_ids
     assert len(out.outputs[0].token_ids) == 6
     assert params.output_kind is RequestOutputKind.DELTA  # the caller's params untouched
+
+
+class _CountingTokenizer:
+    """The tokenizer, recording the length of every id list it decodes."""
+
+    def __init__(self, inner) -> None:
+        self.inner, self.lengths = inner, []
+
+    def __len__(self) -> int:
+        return len(self.inner)
+
+    def __getattr__(self, name: str):
+        return getattr(self.inner, name)
+
+    def decode(self, ids, **kwargs):
+        self.lengths.append(len(ids))
+        return self.inner.decode(ids, **kwargs)
+
+
+@pytest.mark.parametrize("kind", ["cumulative", "delta"])
+def test_reported_text_grows_a_token_at_a_time(tokenizer, kind):
+    """An output that reports every step must not decode its whole output again at each
+    step (quadratic in the length, the engine loop's cost under a server's streams): its
+    text grows token by token, each decode a short window; the final text is the whole
+    output's decode. FINAL_ONLY decodes once, at the end."""
+    counting = _CountingTokenizer(tokenizer)
+    engine = _engine("v1", counting)
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True, output_kind=kind)
+    engine.add_request("r", PROMPT, params)
+    engine.add_request("f", PROMPT, SamplingParams(**{**vars(params), "output_kind": "final_only"}))
+    texts, final = [], None
+    while engine.has_unfinished_requests():
+        counting.lengths.clear()
+        outs = engine.step()
+        for out in outs:
+            if out.request_id == "r":
+                texts.append(out.outputs[0].text)
+                ids = out.outputs[0].token_ids
+            elif out.finished:
+                final = out.outputs[0]
+        if not any(out.finished for out in outs):  # FINAL_ONLY's one decode is at the end
+            assert max(counting.lengths, default=0) <= 12, counting.lengths
+    whole = "".join(texts) if kind == "delta" else texts[-1]
+    assert len(final.token_ids) == 40 and whole == final.text
+    assert final.text == tokenizer.decode(final.token_ids, skip_special_tokens=True)
+    if kind == "cumulative":
+        assert ids == final.token_ids
+        assert all(b.startswith(a) for a, b in zip(texts, texts[1:]))

@@ -124,3 +124,39 @@ def test_unsupported_chat_fields_are_refused_by_name(client):
     assert "role" in str(err.value)
     ok = client.chat.completions.create(model="smollm2", messages=QUESTION, max_tokens=2)
     assert ok.usage.completion_tokens == 2
+
+
+def test_streamed_samples_with_logprobs_equal_the_whole_answer(client):
+    """n = 2 with logprobs, streamed: per choice the pieces (text, logprob tokens and
+    values, text offsets, token ids) concatenate to the non-streamed answer's, and the
+    usage chunk counts what the whole answer counts. The stream is built from the
+    engine's DELTA outputs, the answer from its CUMULATIVE ones."""
+    params = dict(max_tokens=12, temperature=0.9, seed=21, n=2, logprobs=2,
+                  extra_body={"return_token_ids": True})
+    whole = client.completions.create(model="smollm2", prompt=PROMPT, **params)
+    chunks = list(client.completions.create(model="smollm2", prompt=PROMPT, stream=True,
+                                            stream_options={"include_usage": True}, **params))
+    got: dict[int, dict] = {}
+    for chunk in chunks[:-1]:
+        for ch in chunk.choices:
+            g = got.setdefault(ch.index, {"text": "", "tokens": [], "lp": [], "offsets": [],
+                                          "ids": []})
+            g["text"] += ch.text
+            g["ids"] += ch.model_extra.get("token_ids") or []
+            if ch.logprobs is not None:
+                g["tokens"] += ch.logprobs.tokens
+                g["lp"] += ch.logprobs.token_logprobs
+                g["offsets"] += ch.logprobs.text_offset
+            if ch.finish_reason is not None:
+                g["finish"] = ch.finish_reason
+    assert sorted(got) == [0, 1]
+    for want in whole.choices:
+        g = got[want.index]
+        assert g["text"] == want.text and g["ids"] == want.model_extra["token_ids"]
+        assert g["tokens"] == want.logprobs.tokens
+        assert g["lp"] == pytest.approx(want.logprobs.token_logprobs, abs=1e-6)
+        assert g["offsets"] == want.logprobs.text_offset
+        assert g["finish"] == want.finish_reason
+    assert chunks[-1].choices == []
+    assert (chunks[-1].usage.prompt_tokens, chunks[-1].usage.completion_tokens) == (
+        whole.usage.prompt_tokens, whole.usage.completion_tokens)
