@@ -2,7 +2,7 @@
 # The GPU machine's one entry point: install what the image lacks from carried wheels,
 # run the gpu-marked tests, run the benchmarks, write everything under $OUT.
 #
-#   scripts/gpu_check.sh [gemv|tune|tests|boundary|attention|decode|profile|ab|ab_async|ab_embed|spec|ab_spec|builtins|sample_host|bi|bi_tests|bi_bench|ab_bi|serve|gguf_part0|ngram|hf|all]...
+#   scripts/gpu_check.sh [gemv|tune|tests|boundary|attention|decode|profile|ab|ab_async|ab_embed|spec|ab_spec|builtins|sample_host|mixed|bi|bi_tests|bi_bench|ab_bi|serve|gguf_part0|ngram|hf|all]...
 #
 # Stages run in the order of this file, whatever the order of the arguments. gemv and tune
 # write a GEMV launch table to $OUT/gemv_configs.json (gemv per shape, tune llama-3-8b's
@@ -116,6 +116,15 @@ if want sample_host; then
     python3 scripts/profile_sample_host.py --model qwen3-0.6b --batch $b \
       --out "$OUT/sample_host_b$b.json" 2>&1 | grep -v "^INFO" | tee "$OUT/sample_host_b$b.txt"
   done
+fi
+if want mixed; then
+  # mixed (PIECEWISE) steps against uniform decode (FULL), both runners, live 8 and 64;
+  # then the host cost of the eager attention's pieces
+  for live in 8 64; do
+    python3 scripts/profile_mixed_step.py --live $live --out "$OUT/mixed_l$live.json" 2>&1 \
+      | grep -v "^INFO" | tee "$OUT/mixed_l$live.log"
+  done
+  python3 scripts/bench_attention_host.py --out "$OUT/attn_host.json" 2>&1 | tee "$OUT/attn_host.log"
 fi
 if want bi || want bi_tests; then
   # issue 26: the batch-invariant kernels' GPU tests, then V1 vs V2 vs solo bitwise over
