@@ -78,6 +78,65 @@ def launch_apply_write(
     )
 
 
+# Per-row scalar tables one apply_row_scalars call can take (pointer arguments t0..t5).
+MAX_SCALAR_TABLES = 6
+
+
+@triton.jit
+def _apply_row_scalars_kernel(
+    t0, t1, t2, t3, t4, t5,  # 1-D tables (int32 / int64); unused slots repeat t0
+    meta_ptr,  # int64 [2 * num_writes]: rows | table indices
+    values_ptr,  # int64 [num_writes]
+    num_writes,
+):
+    pid = tl.program_id(0)
+    row = tl.load(meta_ptr + pid)
+    table = tl.load(meta_ptr + num_writes + pid)
+    value = tl.load(values_ptr + pid)
+    # the store casts the int64 value to the table's element type
+    if table == 0:
+        tl.store(t0 + row, value)
+    elif table == 1:
+        tl.store(t1 + row, value)
+    elif table == 2:
+        tl.store(t2 + row, value)
+    elif table == 3:
+        tl.store(t3 + row, value)
+    elif table == 4:
+        tl.store(t4 + row, value)
+    else:
+        tl.store(t5 + row, value)
+
+
+def apply_row_scalars(tables: Sequence[StagedWriteTensor]) -> None:
+    """Ship the staged writes of several per-row scalar tables (1-D int32 / int64, in
+    device memory) with ONE packed copy and ONE launch, where apply_write would take one
+    of each per table: a request's admission writes all of them for its row, and on a
+    model of thin layers each launch's host time shows in the step (the journal of
+    2026-12-04). The values are the host mirror's, as apply_write sends them."""
+    if len(tables) > MAX_SCALAR_TABLES:
+        raise ValueError(f"at most {MAX_SCALAR_TABLES} tables per call, got {len(tables)}")
+    rows, which, values = [], [], []
+    for k, table in enumerate(tables):
+        if table.row_width != 1 or table.uses_uva or table.dtype not in (torch.int32, torch.int64):
+            raise ValueError("apply_row_scalars takes 1-D int32 / int64 tables in device memory")
+        for row in table._pending:  # one [0, 1) run per row
+            rows.append(row)
+            which.append(k)
+            values.append(int(table.np[row]))
+        table._pending = {}
+    if not rows:
+        return
+    n = len(rows)
+    buf = pinned_empty(3 * n, torch.int64)
+    buf.numpy()[:] = rows + which + values
+    device = tables[0].device
+    # `buf` is a fresh pinned temporary, as in apply_write: one non_blocking H2D copy
+    device_buf = buf if device.type == "cpu" else buf.to(device, non_blocking=True)
+    targets = [t.gpu for t in tables] + [tables[0].gpu] * (MAX_SCALAR_TABLES - len(tables))
+    _apply_row_scalars_kernel[(n,)](*targets, device_buf[: 2 * n], device_buf[2 * n:], n)
+
+
 class StagedWriteTensor:
     """A [num_rows, row_width] (or [num_rows]) table written only through staged diffs.
 

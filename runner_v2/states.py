@@ -20,7 +20,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from runner_v2.staged_write import StagedWriteTensor
+from runner_v2.staged_write import StagedWriteTensor, apply_row_scalars
 
 
 class RequestState:
@@ -57,14 +57,15 @@ class RequestState:
         self.prefill_len = StagedWriteTensor(R, torch.int32, self.device)
         self.total_len = StagedWriteTensor(R, torch.int32, self.device)
         self.last_sampled_tokens = StagedWriteTensor(R, torch.int64, self.device)
-        self._staged = (
-            self.all_token_ids,
+        # the per-row scalars, written together at each admission: one apply for all
+        self._row_scalars = (
             self.num_computed_tokens,
             self.prompt_len,
             self.prefill_len,
             self.total_len,
             self.last_sampled_tokens,
         )
+        self._staged = (self.all_token_ids, *self._row_scalars)
         # The scheduler's view (before this step's tokens); the runner refreshes it for
         # cached requests each step. An upper bound on the device value.
         self.num_computed_tokens_np = np.zeros(R, dtype=np.int32)
@@ -152,7 +153,7 @@ class RequestState:
             tensor.discard_staged_writes()
 
     def apply_staged_writes(self) -> None:
-        """Ship this step's staged per-row writes (one copy + one launch per field with
-        pending writes; none when nothing was added)."""
-        for tensor in self._staged:
-            tensor.apply_write()
+        """Ship this step's staged per-row writes: one copy + one launch for the token
+        table and one for all the per-row scalars (none when nothing was added)."""
+        self.all_token_ids.apply_write()
+        apply_row_scalars(self._row_scalars)

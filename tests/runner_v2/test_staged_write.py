@@ -121,3 +121,44 @@ def test_out_of_bounds_and_bad_dtype_raise():
         t.stage_write(0, 2, [1, 2, 3])
     with pytest.raises(ValueError):
         StagedWriteTensor((3, 4), torch.float16, "cpu")
+
+
+def test_row_scalars_of_several_tables_in_one_launch(monkeypatch):
+    """apply_row_scalars against a NumPy model of the tables: rows written once, twice
+    (the last value wins) or not at all, int32 and int64 tables (an int64 value beyond
+    int32 stays whole in its table), a table with nothing staged; one launch per apply,
+    none when nothing is staged, and the writes never leak into another table."""
+    counter = _LaunchCounter(sw._apply_row_scalars_kernel)
+    monkeypatch.setattr(sw, "_apply_row_scalars_kernel", counter)
+    rng = np.random.default_rng(3)
+    dtypes = [torch.int32, torch.int32, torch.int64, torch.int32, torch.int64]
+    tables = [StagedWriteTensor(23, d, "cpu") for d in dtypes]
+    models = [np.zeros(23, dtype=_NP[d]) for d in dtypes]
+    for step in range(6):
+        for k, (t, m) in enumerate(zip(tables, models)):
+            if k == step % 5:
+                continue  # one table stages nothing this step
+            for row in rng.choice(23, size=rng.integers(0, 6), replace=True):
+                big = dtypes[k] == torch.int64 and rng.random() < 0.5
+                value = int(rng.integers(2**40, 2**50)) if big else int(rng.integers(-99, 99))
+                t.stage_write_elem(int(row), value)
+                m[row] = value
+        staged = sum(t.num_pending_writes for t in tables)
+        before = len(counter.grids)
+        sw.apply_row_scalars(tables)
+        assert counter.grids[before:] == ([(staged,)] if staged else [])
+        for t, m in zip(tables, models):
+            np.testing.assert_array_equal(t.gpu.numpy(), m)
+            assert t.num_pending_writes == 0
+    n = len(counter.grids)
+    sw.apply_row_scalars(tables)  # nothing staged: no launch
+    assert len(counter.grids) == n > 0
+
+
+def test_row_scalars_refuse_tables_they_cannot_take():
+    with pytest.raises(ValueError, match="1-D int32 / int64"):
+        sw.apply_row_scalars([StagedWriteTensor((4, 2), torch.int32, "cpu")])
+    with pytest.raises(ValueError, match="1-D int32 / int64"):
+        sw.apply_row_scalars([StagedWriteTensor(4, torch.float32, "cpu")])
+    with pytest.raises(ValueError, match="at most"):
+        sw.apply_row_scalars([StagedWriteTensor(4, torch.int32, "cpu")] * 7)

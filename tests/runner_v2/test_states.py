@@ -218,3 +218,35 @@ def test_full_table_and_bad_adds_raise():
         state.add_request("r3", 3, [1, 2], 0)
     with pytest.raises(ValueError, match="num_computed_tokens"):
         state.add_request("r3", 1, [1, 2], 3)
+
+
+def test_admissions_ship_in_two_launches(monkeypatch):
+    """However many requests a step admits: one launch for their prompt tokens and one
+    for every per-row scalar of theirs (apply_row_scalars), where a launch per field
+    would take six; the values land as staged (the state machine above checks them)."""
+    import runner_v2.staged_write as sw
+
+    launches: list[str] = []
+
+    class Count:
+        def __init__(self, name, kernel):
+            self.name, self.kernel = name, kernel
+
+        def __getitem__(self, grid):
+            launches.append(self.name)
+            return self.kernel[grid]
+
+    monkeypatch.setattr(sw, "_apply_write_kernel", Count("tokens", sw._apply_write_kernel))
+    monkeypatch.setattr(sw, "_apply_row_scalars_kernel",
+                        Count("scalars", sw._apply_row_scalars_kernel))
+    state = RequestState(R, MAX_LEN, T, V, "cpu")
+    rows = [state.add_request(f"r{i}", 3, [5 + i] * (4 + i), i) for i in range(3)]
+    state.apply_staged_writes()
+    assert sorted(launches) == ["scalars", "tokens"]
+    for i, row in enumerate(rows):
+        assert (int(state.prompt_len.gpu[row]), int(state.prefill_len.gpu[row]),
+                int(state.total_len.gpu[row]), int(state.num_computed_tokens.gpu[row])) == (
+            3, 4 + i, 4 + i, i)
+    launches.clear()
+    state.apply_staged_writes()  # nothing staged
+    assert launches == []
