@@ -285,7 +285,9 @@ class LlamaModel(nn.Module):
         self, index: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> torch.Tensor:
         """Attention of layer `index` (KV write + paged attention, metadata from the
-        forward context): what runs eagerly between segments index and index + 1."""
+        forward context), between segments index and index + 1 of the eager split.
+        The piecewise graphs take its halves apart: write_kv is recorded in segment
+        index's graph, attend runs eagerly."""
         return self.layers[index].self_attn.attn(q, k, v)
 
     def write_kv(
