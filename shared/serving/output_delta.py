@@ -1,13 +1,13 @@
 """What a request's next output adds to what was sent: the engine's DELTA outputs
-(SamplingParams.output_kind) and the server's streamed chunks both use it.
+(SamplingParams.output_kind), which the server's streams send as they come.
 
-The engine's text is the decode of every output token so far, so the new text is a
-suffix of it; two kinds of suffix are held back until a later step settles them: an
-incomplete UTF-8 character at the end (decoded as U+FFFD until its last byte arrives)
-and, with stop strings excluded from the output, the last len(stop) - 1 characters (a
-stop string may be starting there, and the finished text is cut before it). The pieces
-therefore concatenate to the final text. Tokens are never held back: a token id is final
-once sampled.
+The engine's text is the output text so far (grown by the incremental detokenizer), so
+the new text is a suffix of it; two kinds of suffix are held back until a later step
+settles them: an incomplete UTF-8 character at the end (shown as U+FFFD by a whole
+decode; the incremental detokenizer holds it itself) and, with stop strings excluded
+from the output, the last len(stop) - 1 characters (a stop string may be starting there,
+and the finished text is cut before it). The pieces therefore concatenate to the final
+text. Tokens are never held back: a token id is final once sampled.
 """
 
 from __future__ import annotations

@@ -1,8 +1,9 @@
 """OpenAI response bodies from RequestOutputs: whole responses and streamed chunks.
 
-A stream sends, per step, what the step added to each choice (an `OutputDelta` of
-shared/serving/output_delta.py, which the engine's DELTA outputs use too): the streamed
-pieces concatenate to the non-streamed text.
+A stream sends, per step, what the step added to each choice: the engine's DELTA
+outputs, whose text shared/serving/output_delta.py settles (an incomplete character and
+a possible stop-string start held back), so the streamed pieces concatenate to the
+non-streamed text.
 """
 
 from __future__ import annotations
