@@ -120,21 +120,24 @@ def apply_row_scalars(tables: Sequence[StagedWriteTensor]) -> None:
     for k, table in enumerate(tables):
         if table.row_width != 1 or table.uses_uva or table.dtype not in (torch.int32, torch.int64):
             raise ValueError("apply_row_scalars takes 1-D int32 / int64 tables in device memory")
-        for row in table._pending:  # one [0, 1) run per row
-            rows.append(row)
-            which.append(k)
-            values.append(int(table.np[row]))
-        table._pending = {}
+        table_rows, table_values = table.take_scalar_writes()
+        rows += table_rows
+        which += [k] * len(table_rows)
+        values += table_values
     if not rows:
         return
     n = len(rows)
     buf = pinned_empty(3 * n, torch.int64)
     buf.numpy()[:] = rows + which + values
-    device = tables[0].device
-    # `buf` is a fresh pinned temporary, as in apply_write: one non_blocking H2D copy
-    device_buf = buf if device.type == "cpu" else buf.to(device, non_blocking=True)
+    device_buf = _to_device(buf, tables[0].device)
     targets = [t.gpu for t in tables] + [tables[0].gpu] * (MAX_SCALAR_TABLES - len(tables))
     _apply_row_scalars_kernel[(n,)](*targets, device_buf[: 2 * n], device_buf[2 * n:], n)
+
+
+def _to_device(packed: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """`packed` is a fresh pinned temporary: one non_blocking H2D copy (nothing reuses it
+    while the copy is in flight). On the CPU it is used in place (nothing else holds it)."""
+    return packed if device.type == "cpu" else packed.to(device, non_blocking=True)
 
 
 class StagedWriteTensor:
@@ -209,6 +212,14 @@ class StagedWriteTensor:
         kept.append([start, end])
         self._pending[row] = kept
 
+    def take_scalar_writes(self) -> tuple[list[int], list[int | float]]:
+        """A per-row scalar table's staged writes as (rows, values from the mirror), now
+        unstaged: for apply_row_scalars, which ships several tables' at once."""
+        assert self.row_width == 1, "a per-row scalar table has one column"
+        rows = list(self._pending)  # one [0, 1) run per row
+        self._pending = {}
+        return rows, [self.np[row].item() for row in rows]
+
     @property
     def num_pending_writes(self) -> int:
         return sum(len(runs) for runs in self._pending.values())
@@ -232,12 +243,7 @@ class StagedWriteTensor:
                 ends.append(end)
         self._pending = {}
         packed, num_writes = self._pack(rows, starts, ends)
-        # `packed` is already a fresh pinned temporary: one non_blocking H2D copy. On the
-        # CPU it is used in place (nothing else holds it).
-        if self.device.type == "cpu":
-            device_buf = packed
-        else:
-            device_buf = packed.to(self.device, non_blocking=True)
+        device_buf = _to_device(packed, self.device)
         meta_len = 3 * num_writes + 1
         meta = device_buf[:meta_len]
         contents = device_buf[meta_len:].view(self.dtype)

@@ -80,18 +80,12 @@ def profile_runner(args, runner: str) -> dict:
         text = io.StringIO()
         pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(args.cprofile)
         out["cprofile_mixed"] = text.getvalue()
-    engine.shutdown()
+    from shared.harness.ab_engines import free_engines
+
+    engines = {runner: engine}
+    del engine  # free_engines must hold the only reference (its KV cache fills the GPU)
+    free_engines(engines)
     return out
-
-
-def free_device_memory() -> None:
-    """After the caller dropped its engine: the runner's graphs and buffers hold reference
-    cycles, so the KV cache (sized to fill the GPU) stays allocated until a collection."""
-    import gc
-
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
 
 
 def main() -> None:
@@ -120,7 +114,6 @@ def main() -> None:
                       + (f"  step GPU {m['step_gpu_ms']['median']:.2f}" if "step_gpu_ms" in m else ""))
         if "cprofile_mixed" in res:
             print(res["cprofile_mixed"])
-        free_device_memory()
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"args": vars(args), "results": results}, f, indent=1)

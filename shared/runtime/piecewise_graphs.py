@@ -23,8 +23,9 @@ memory, since replays never overlap and nothing a graph allocated is read after 
 
 Padding (S > num_tokens): tokens num_tokens..S-1 are padding. The runner's input prep
 writes input_ids 0, positions 0 (in range for the embedding and RoPE) and slot_mapping
-PAD there (so the recorded KV write skips them); the attention metadata covers the real requests only (num_reqs is not
-padded), so padded tokens attend to nothing and write no KV. Their rows carry garbage
+PAD there (so the recorded KV write skips them); the attention metadata covers the real
+requests only (num_reqs is not padded), so padded tokens attend to nothing and write no
+KV. Their rows carry garbage
 (attention leaves them unwritten, and the static buffers hold whatever an earlier,
 larger step left), but every segment op is per token (norm, linear, MLP, MoE routing),
 so garbage stays in its row, and logits_indices point at real tokens only: a padded

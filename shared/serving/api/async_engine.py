@@ -227,17 +227,16 @@ class AsyncEngine:
             self._call_on_loop(batch)
 
     def _observe_tokens(self, stream: _Stream, out: RequestOutput, now: float) -> None:
-        num_tokens = sum(len(c.token_ids) for c in out.outputs)
-        if stream.delta:  # this step's tokens only
-            num_tokens += stream.num_tokens
-        new = num_tokens - stream.num_tokens
+        reported = sum(len(c.token_ids) for c in out.outputs)
+        # DELTA: this step's tokens only; CUMULATIVE: every token so far
+        new = reported if stream.delta else reported - stream.num_tokens
         if new > 0 and self.observer is not None:
             if stream.last_token is None:
                 self.observer.observe_ttft(now - stream.arrival)
             else:
                 self.observer.observe_itl(now - stream.last_token, new)
         if new > 0:
-            stream.num_tokens, stream.last_token = num_tokens, now
+            stream.num_tokens, stream.last_token = stream.num_tokens + new, now
         if out.finished and self.observer is not None:
             self.observer.observe_finished(out, now - stream.arrival)
 

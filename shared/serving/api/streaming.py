@@ -109,7 +109,7 @@ def stream_params(params: list[SamplingParams]) -> list[SamplingParams]:
 
 
 async def response_events(stream: ResponseStream, order: list[str], req: Any,
-                  params: list[SamplingParams], header: ResponseHeader) -> AsyncIterator[str]:
+                          header: ResponseHeader) -> AsyncIterator[str]:
     """The event stream of requests added with stream_params' DELTA outputs."""
     prompt_of = {rid: i for i, rid in enumerate(order)}
     choices: dict[int, _Choice] = {}
