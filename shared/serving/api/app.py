@@ -155,7 +155,7 @@ async def _respond(request: Request, state: ServerState, req: Any, prompts: list
     if req.stream:
         events = response_events(stream, order, req, header)
         return StreamingResponse(_guarded(events, stream), media_type="text/event-stream")
-    work = final_outputs(stream, order, req, params, header)
+    work = final_outputs(stream, order, req, header)
     return await _until_done_or_disconnect(request, stream, work)
 
 

@@ -53,7 +53,7 @@ def _usage(outputs: list[RequestOutput]) -> dict[str, int]:
 
 
 async def final_outputs(stream: ResponseStream, order: list[str], req: Any,
-                        params: list[SamplingParams], header: ResponseHeader) -> dict[str, Any]:
+                        header: ResponseHeader) -> dict[str, Any]:
     """The non-streamed body, once every request has finished."""
     latest: dict[str, RequestOutput] = {}
     async for out in stream:
