@@ -87,9 +87,10 @@ class OneEngineAtATime(Mapping):
 
     def release(self) -> None:
         if self._live is not None:
-            engine, self._live = self._live[1], None
-            engine.shutdown()
-            free_engines({"": engine})
+            # no local may name the engine while free_engines collects: the runner's
+            # graphs and buffers are reference cycles, freed by that collection only
+            engines, self._live = dict([self._live]), None
+            free_engines(engines)
 
 
 def run_order(labels: list[str], runs: int, grouped: bool = False, flip: bool = False) -> list[str]:
@@ -103,9 +104,10 @@ def run_order(labels: list[str], runs: int, grouped: bool = False, flip: bool = 
     return order
 
 
-def free_engines(engines: Mapping[str, LLMEngine]) -> None:
+def free_engines(engines: dict[str, LLMEngine] | OneEngineAtATime) -> None:
     """Drop the engines (the caller holds no other reference) and give their memory back
-    to the device, so that the next engines find it: model, KV cache and graphs."""
+    to the device, so that the next engines find it: model, KV cache and graphs. The
+    dict is emptied."""
     import gc
 
     import torch
@@ -113,9 +115,8 @@ def free_engines(engines: Mapping[str, LLMEngine]) -> None:
     if isinstance(engines, OneEngineAtATime):
         engines.release()
     else:
-        for engine in engines.values():
-            engine.shutdown()
-        engines.clear()
+        while engines:  # no loop variable: it would keep the last engine past the collection
+            engines.popitem()[1].shutdown()
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
