@@ -1,7 +1,8 @@
 """Host cost of the attention that runs eagerly between two piecewise graphs, piece by
 piece (GPU machine): the KV write, each paged-attention mapping, the split reduction,
 the torch ops around them, a graph replay and a bare Triton launch, in microseconds of
-host time per call. The shapes are a small mixed batch (qwen3-0.6b's heads by default),
+host time per call; and a later layer's launches from the step's plan, through Triton's
+dispatch and through kept compiled kernels (RepeatLaunch). The shapes are a small mixed batch (qwen3-0.6b's heads by default),
 whose GPU work is far shorter than its launches, so a loop of N calls measures the host.
 
     python scripts/bench_attention_host.py [--heads 16] [--kv-heads 8] [--head-dim 128]
@@ -38,8 +39,11 @@ def per_call_us(fn, iters: int) -> float:
 
 
 def main() -> None:
+    from policy.kernel_options import KernelOptions
     from shared.attention.kv_write_triton import write_kv_triton
-    from shared.attention.triton_unified_attention import paged_attention
+    from shared.attention.triton_unified_attention import PagedAttentionPlan, paged_attention
+    from shared.runtime.kernel_options import use_kernel_options
+    from shared.runtime.triton_launch import RepeatLaunch
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--heads", type=int, default=16)
@@ -75,6 +79,14 @@ def main() -> None:
                                        0.1, run_single_query=single, run_multi_query=multi,
                                        num_splits=splits)
 
+    def plan_launch(splits: int, repeat: bool):
+        """A later layer's share of a step: the plan is built once, by the first layer."""
+        with use_kernel_options(KernelOptions(repeat_launches=repeat)):
+            plan = PagedAttentionPlan.build(q, cache[0], cache[1], out, qsl, seq_lens, table,
+                                            0.1, True, True, splits)
+        return lambda: plan.launch(q, cache[0], cache[1], out)
+
+    noop = RepeatLaunch(_noop_kernel, (1,), BLOCK=16)
     cases = {
         "write_kv_triton": lambda: write_kv_triton(k, v, cache[0], cache[1], slots),
         "attention single-query, 1 split": attn(True, False, 1),
@@ -87,6 +99,11 @@ def main() -> None:
         "3 x new_empty (split partials)": lambda: [q.new_empty((R, H, 8, D), dtype=torch.float32)
                                                    for _ in range(3)],
         "bare triton launch (2 args)": lambda: _noop_kernel[(1,)](out, 16, BLOCK=16),
+        "bare triton launch, kept kernel (RepeatLaunch)": lambda: noop(out, 16),
+        "plan.launch both mappings, 1 split, JIT": plan_launch(1, False),
+        "plan.launch both mappings, 1 split, kept": plan_launch(1, True),
+        "plan.launch both mappings, 8 splits, JIT": plan_launch(8, False),
+        "plan.launch both mappings, 8 splits, kept": plan_launch(8, True),
     }
     for name, fn in cases.items():
         results[name] = per_call_us(fn, args.iters)

@@ -118,13 +118,19 @@ if want sample_host; then
   done
 fi
 if want mixed; then
-  # mixed (PIECEWISE) steps against uniform decode (FULL), both runners, live 8 and 64;
-  # then the host cost of the eager attention's pieces
+  # mixed (PIECEWISE) steps against uniform decode (FULL), both runners, live 8 and 64,
+  # with Triton's dispatch for every attention launch (the default) and with kept kernels
+  # after a step's first layer (KernelOptions.repeat_launches); then the host cost of the
+  # eager attention's pieces
   for live in 8 64; do
-    python3 scripts/profile_mixed_step.py --live $live --out "$OUT/mixed_l$live.json" 2>&1 \
-      | grep -v "^INFO" | tee "$OUT/mixed_l$live.log"
+    for repeat in false true; do
+      python3 scripts/profile_mixed_step.py --live $live \
+        --kernel-options "{\"repeat_launches\": $repeat}" \
+        --out "$OUT/mixed_l${live}_repeat_$repeat.json" 2>&1 | grep -v "^INFO"
+    done
   done
-  python3 scripts/bench_attention_host.py --out "$OUT/attn_host.json" 2>&1 | tee "$OUT/attn_host.log"
+  python3 scripts/bench_attention_host.py --out "$OUT/attn_host.json" 2>&1
+  # (no .log files: with gpu.txt that is the device tool's 8 files; the JSONs hold it all)
 fi
 if want bi || want bi_tests; then
   # issue 26: the batch-invariant kernels' GPU tests, then V1 vs V2 vs solo bitwise over

@@ -18,6 +18,7 @@ from shared.attention.unified_attention_kernels import (
     reduce_splits_kernel,
 )
 from shared.runtime.kernel_options import kernel_options
+from shared.runtime.triton_launch import RepeatLaunch
 from shared.runtime.triton_utils import INTERPRET, next_power_of_2, pdl_launch, tl
 
 LOG2E = 1.4426950408889634
@@ -147,9 +148,11 @@ class PagedAttentionPlan:
     metadata: tuple  # block_table, seq_lens, query_start_loc
     partials: tuple  # part_out, part_max, part_sum (placeholders with one split)
     runtime: tuple  # qk_scale, num_reqs, strides
-    single: tuple | None  # (grid, kwargs) of the single-query mapping, or None
-    multi: tuple | None  # (grid, kwargs) of the multi-query mapping, or None
-    reduce: tuple | None  # (grid, kwargs) of the split reduction, or None
+    # The launches (RepeatLaunch: after the first layer's, each launches the compiled
+    # kernel without Triton's per-call dispatch) or None where the mapping does not run.
+    single: RepeatLaunch | None  # the single-query mapping
+    multi: RepeatLaunch | None  # the multi-query mapping
+    reduce: RepeatLaunch | None  # the split reduction
 
     @staticmethod
     def signature_of(query, key_cache, value_cache, output) -> tuple:
@@ -177,27 +180,32 @@ class PagedAttentionPlan:
             DOT_PRECISION=dot_precision_for(dot_dtype),
         )
         single = multi = reduce = None
+        keep = kernel_options().repeat_launches
         partials = split_partials(query, num_reqs, num_splits) if run_single_query else (
             query, query, query)
         if run_single_query:
             cfg = single_query_config(group, block_d, wide)
-            single = ((num_reqs, num_kv_heads, num_splits), dict(
-                consts, BLOCK_M=cfg.block_m, BLOCK_Q=1, TILE_N=cfg.tile_n, SINGLE_QUERY=True,
+            single = RepeatLaunch(
+                paged_attention_kernel, (num_reqs, num_kv_heads, num_splits), keep, **consts,
+                BLOCK_M=cfg.block_m, BLOCK_Q=1, TILE_N=cfg.tile_n, SINGLE_QUERY=True,
                 MIN_QUERY_LEN=1, NUM_SPLITS=num_splits, num_warps=cfg.num_warps,
-                num_stages=cfg.num_stages, **pdl_launch(query)))
+                num_stages=cfg.num_stages, **pdl_launch(query))
             if num_splits > 1:
-                reduce = ((num_reqs, num_heads), dict(
-                    HEAD_DIM=head_dim, BLOCK_D=block_d, TILE_N=cfg.tile_n,
-                    NUM_SPLITS=num_splits, BLOCK_S=next_power_of_2(num_splits),
+                reduce = RepeatLaunch(
+                    reduce_splits_kernel, (num_reqs, num_heads), keep, HEAD_DIM=head_dim,
+                    BLOCK_D=block_d, TILE_N=cfg.tile_n, NUM_SPLITS=num_splits,
+                    BLOCK_S=next_power_of_2(num_splits),
                     MIN_TILES_PER_SPLIT=consts["MIN_TILES_PER_SPLIT"], num_warps=4,
-                    **pdl_launch(output)))
+                    **pdl_launch(output))
         if run_multi_query:
             cfg = _multi_query_config(group, block_d, wide)
             # When the single-query mapping also runs it owns the length-1 rows.
-            multi = ((num_tokens // cfg.block_q + num_reqs, num_kv_heads, 1), dict(
-                consts, BLOCK_M=cfg.block_m, BLOCK_Q=cfg.block_q, TILE_N=cfg.tile_n,
+            grid = (num_tokens // cfg.block_q + num_reqs, num_kv_heads, 1)
+            multi = RepeatLaunch(
+                paged_attention_kernel, grid, keep,
+                **consts, BLOCK_M=cfg.block_m, BLOCK_Q=cfg.block_q, TILE_N=cfg.tile_n,
                 SINGLE_QUERY=False, MIN_QUERY_LEN=2 if run_single_query else 1,
-                NUM_SPLITS=1, num_warps=cfg.num_warps, num_stages=cfg.num_stages))
+                NUM_SPLITS=1, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
         runtime = (scale * LOG2E, num_reqs, *output.stride(), *query.stride(),
                    *key_cache.stride(), *value_cache.stride(), block_table.stride(0))
         return cls(cls.signature_of(query, key_cache, value_cache, output),
@@ -211,16 +219,12 @@ class PagedAttentionPlan:
             "a layer whose attention tensors differ in shape or layout from the plan's")
         head = (output, query, key_cache, value_cache, *self.metadata)
         if self.single is not None:
-            grid, kwargs = self.single
-            paged_attention_kernel[grid](*head, *self.partials, *self.runtime, **kwargs)
+            self.single(*head, *self.partials, *self.runtime)
             if self.reduce is not None:
-                grid, kwargs = self.reduce
                 block_table, seq_lens, query_start_loc = self.metadata
-                reduce_splits_kernel[grid](output, *self.partials, seq_lens, query_start_loc,
-                                           *output.stride(), **kwargs)
+                self.reduce(output, *self.partials, seq_lens, query_start_loc, *output.stride())
         if self.multi is not None:
-            grid, kwargs = self.multi
-            paged_attention_kernel[grid](*head, output, output, output, *self.runtime, **kwargs)
+            self.multi(*head, output, output, output, *self.runtime)
 
 
 def check_launch(query, key_cache, value_cache, output, query_start_loc, seq_lens,

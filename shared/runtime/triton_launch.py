@@ -1,0 +1,93 @@
+"""RepeatLaunch: one Triton kernel launched again and again with the same grid, the same
+compile-time settings and arguments of one kind (the layers of a step, each with its own
+tensors), at the C launcher's cost after the first.
+
+`kernel[grid](...)` runs Triton's JIT dispatch every time: bind the arguments, specialise
+each one (dtype, 16-byte alignment of a pointer, an int's value 1 or divisibility by 16),
+hash the specialisation, look the compiled kernel up. For a kernel of thirty arguments that
+is most of a launch's host time (scripts/bench_attention_host.py), paid per layer by the
+eager attention between piecewise graphs. The first call here goes through the JIT and
+keeps the compiled kernel it returns; a later call whose arguments would specialise the
+same way launches that kernel directly. "The same way" is checked, not assumed: every
+tensor keeps its dtype and a 16-byte-aligned pointer when the first call's was aligned,
+every other argument is equal to the first call's. A call that differs goes through the
+JIT (which finds or compiles its own variant), never through the kept kernel, so a kept
+kernel never sees an argument it was not specialised for.
+
+Under the interpreter there is no compiled kernel: every call is a JIT call.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any, NamedTuple
+
+import torch
+
+from shared.runtime.triton_utils import INTERPRET
+
+
+class RepeatLaunch:
+    """`RepeatLaunch(kernel, grid, **kwargs)(*args)` is `kernel[grid](*args, **kwargs)`.
+
+    kwargs (constexprs and launch options) are fixed at construction; each call passes
+    the positional arguments, in the kernel's parameter order, that every call has.
+    keep=False: every call is a JIT call (KernelOptions.repeat_launches, to price this).
+    """
+
+    def __init__(self, kernel: Any, grid: tuple[int, ...], keep: bool = True, **kwargs: Any):
+        self.kernel = kernel
+        self.keep = keep and not INTERPRET
+        self.grid = tuple(grid) + (1,) * (3 - len(grid))
+        self.kwargs = kwargs
+        self._runner = None  # the kept kernel's launcher, after a JIT call that can keep it
+        self._first: tuple = ()  # that call's arguments' specialisation keys
+        self._tail: tuple = ()  # the kernel's remaining parameters, in order, from kwargs
+
+    def __call__(self, *args: Any) -> None:
+        if self._runner is not None and self._specialised_alike(args):
+            self._runner(*args, *self._tail)
+            return
+        compiled = self.kernel[self.grid](*args, **self.kwargs)
+        if self._runner is None and self.keep and compiled is not None:
+            self._keep(compiled, args)
+
+    def _keep(self, compiled: Any, args: tuple) -> None:
+        params = list(inspect.signature(self.kernel.fn).parameters.values())[len(args):]
+        tail = []
+        for p in params:  # the rest as the JIT binds them: by name, else the default
+            if p.name in self.kwargs:
+                tail.append(self.kwargs[p.name])
+            elif p.default is not inspect.Parameter.empty:
+                tail.append(p.default)
+            else:
+                return  # not a launch the JIT accepted; stay on the JIT path
+        self._first = tuple(_key(a) for a in args)
+        self._tail = tuple(tail)
+        self._runner = compiled[self.grid]
+
+    def _specialised_alike(self, args: tuple) -> bool:
+        first = self._first
+        if len(args) != len(first):
+            return False
+        for a, k in zip(args, first):
+            if isinstance(a, torch.Tensor):
+                # an unaligned pointer where the first was aligned would break the kept
+                # kernel's vectorised loads; the reverse is harmless
+                if (type(k) is not _TensorKey or a.dtype is not k.dtype
+                        or (k.aligned and a.data_ptr() % 16)):
+                    return False
+            elif type(a) is not type(k) or a != k:
+                return False
+        return True
+
+
+class _TensorKey(NamedTuple):
+    dtype: torch.dtype
+    aligned: bool  # a 16-byte-aligned pointer: what Triton specialises a pointer on
+
+
+def _key(arg: Any) -> Any:
+    if isinstance(arg, torch.Tensor):
+        return _TensorKey(arg.dtype, arg.data_ptr() % 16 == 0)
+    return arg
