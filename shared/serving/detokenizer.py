@@ -123,6 +123,20 @@ class IncrementalDetokenizer:
         window = self._decode(self._ids[self._prefix:])
         return text + window[len(prefix_text):] if window.startswith(prefix_text) else text
 
+    def decode_whole(self, token_ids: list[int]) -> str:
+        """What final_text() would be after append() of every id (no stop strings), in two
+        decodes rather than one a token: the output decoded in the prompt's context, as
+        the incremental text is. So a FINAL_ONLY request, decoded once at its finish, has
+        the text its CUMULATIVE twin streams (a SentencePiece decoder would strip a leading
+        space from the output decoded alone). Call it on a fresh detokenizer."""
+        assert self._num_tokens == 0 and not self._stops, "decode_whole needs a fresh one"
+        ids = self._ids + [t for t in map(int, token_ids) if self._decodable(t)]
+        prefix_text = self._decode(self._ids[self._prefix:self._read])
+        text = self._decode(ids[self._prefix:])
+        if text.startswith(prefix_text):
+            return text[len(prefix_text):]
+        return self._decode(ids[self._read:])  # the context merged into the output
+
     @property
     def stop_reason(self) -> str | None:
         """The stop string that ended the request, if one did."""

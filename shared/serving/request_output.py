@@ -10,6 +10,7 @@ from typing import Any
 from shared.contract.outputs import CompletionOutput, RequestOutput
 from shared.contract.pooling import PoolingOutput, PoolingRequestOutput
 from shared.contract.sampling_params import RequestOutputKind
+from shared.serving.detokenizer import IncrementalDetokenizer
 from shared.serving.output_delta import OutputDelta, holdback_for
 from shared.serving.prompt_logprobs import prompt_logprobs_output
 from shared.serving.request import Request
@@ -45,9 +46,10 @@ def request_output(update: Any, tokenizer: Any,
         text = detok.final_text() if update.finished else detok.output_text
     elif tokenizer is not None:
         # FINAL_ONLY without stop strings: nothing needs the text before it is returned,
-        # so it is decoded once here rather than token by token inside the engine loop.
-        text = tokenizer.decode(req.output_token_ids,
-                                skip_special_tokens=params.skip_special_tokens)
+        # so it is decoded once here (in the prompt's context, as the incremental text
+        # is) rather than token by token inside the engine loop.
+        text = IncrementalDetokenizer(tokenizer, req.prompt_token_ids, params).decode_whole(
+            req.output_token_ids)
     wants_logprobs = params.logprobs is not None
     first, end = 0, len(req.output_token_ids)
     prompt_logprobs = prompt_logprobs_output(req, tokenizer)

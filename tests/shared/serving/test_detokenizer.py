@@ -25,6 +25,7 @@ from shared.serving.detokenizer import (
     StopStringMatchedError,
     decode_token,
 )
+from tests.shared.serving.metaspace_tokenizer import metaspace_tokenizer
 
 TEXTS = [
     " Hello world, this is a test.",
@@ -381,3 +382,28 @@ def test_final_text_after_a_stop_string_is_the_cut_text(tok):
             break
     assert reasons[-1] == " gamma"
     assert d.final_text() == d.output_text == "alpha beta"
+
+
+@pytest.mark.parametrize("which", ["smollm2", "metaspace"])
+@pytest.mark.parametrize("skip", [True, False])
+def test_decode_whole_is_the_final_text_of_appending_every_id(tok, pools, which, skip):
+    """FINAL_ONLY's one decode against the token-by-token oracle (CUMULATIVE's text)."""
+    rng = random.Random(7 + skip)
+    sp = metaspace_tokenizer(512) if which == "metaspace" else None
+    leading_space = 0
+    for _ in range(150):
+        if sp is None:
+            prompt = tok.encode(rng.choice(PROMPTS))
+            ids = random_ids(rng, tok, pools, rng.randint(1, 40))
+            t = tok
+        else:
+            prompt = [rng.randrange(1, 512) for _ in range(rng.randint(0, 9))]
+            ids = [rng.randrange(600) for _ in range(rng.randint(1, 40))]  # some outside
+            t = sp
+        params = SamplingParams(skip_special_tokens=skip)
+        whole = IncrementalDetokenizer(t, prompt, params).decode_whole(ids)
+        assert whole == detokenize(t, prompt, ids, skip_special_tokens=skip).final_text(), (
+            prompt, ids)
+        leading_space += bool(prompt) and whole.startswith(" ")
+    if sp is not None:  # the case the prompt's context decides
+        assert leading_space > 30

@@ -20,7 +20,7 @@ class _TemplateTokenizer:
         ids = [1] + [100 + len(m["content"]) for m in conversation]
         return ids + ([2] if add_generation_prompt else [])
 
-    def decode(self, ids, skip_special_tokens=True):
+    def decode(self, ids, skip_special_tokens=True, clean_up_tokenization_spaces=None):
         return " ".join(map(str, ids))
 
     def __len__(self):

@@ -198,3 +198,36 @@ def test_reported_text_grows_a_token_at_a_time(tokenizer, kind):
     if kind == "cumulative":
         assert ids == final.token_ids
         assert all(b.startswith(a) for a, b in zip(texts, texts[1:]))
+
+
+@pytest.mark.parametrize("runner", ["v1", "v2"])
+def test_every_output_kind_has_the_text_of_the_output_in_context(runner):
+    """With a tokenizer whose decode of the output alone differs from its decode after the
+    prompt (SentencePiece's first-piece space), the text is the same whatever the output
+    kind and whether stop strings are watched: the output decoded in the prompt's context,
+    as the CUMULATIVE text grows (vLLM's one detokenizer path)."""
+    from tests.shared.serving.metaspace_tokenizer import metaspace_tokenizer
+
+    sp = metaspace_tokenizer(512)
+    engine = _engine(runner, sp)
+    base = dict(max_tokens=12, temperature=1.0, seed=3, ignore_eos=True)
+    variants = {"c": dict(output_kind="cumulative"), "d": dict(output_kind="delta"),
+                "f": dict(output_kind="final_only"),
+                "f_stop": dict(output_kind="final_only", stop=["never there"])}
+    prompt = [p for p in PROMPT if p % 3]  # pieces that start a word
+    for rid, extra in variants.items():
+        engine.add_request(rid, prompt, SamplingParams(**base, **extra))
+    texts: dict[str, str] = dict.fromkeys(variants, "")
+    finals = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            c = out.outputs[0]
+            texts[out.request_id] = texts[out.request_id] + c.text if out.request_id == "d" \
+                else c.text
+            if out.finished:
+                finals[out.request_id] = c.token_ids if out.request_id != "d" else None
+    ids = finals["c"]
+    assert finals["f"] == finals["f_stop"] == ids  # one seed: the same tokens
+    in_context = sp.decode(prompt + ids)[len(sp.decode(prompt)):]
+    assert sp.decode(ids) != in_context  # the case that matters here
+    assert texts == dict.fromkeys(variants, in_context)
