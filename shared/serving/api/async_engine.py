@@ -28,6 +28,7 @@ from typing import Any
 
 from shared.contract.outputs import RequestOutput
 from shared.contract.sampling_params import RequestOutputKind, SamplingParams
+from shared.serving.api.coalesce import coalesce
 from shared.serving.engine import LLMEngine
 
 logger = logging.getLogger("runnerlab")
@@ -55,13 +56,15 @@ class _Stream:
 
 class ResponseStream:
     """The requests of one HTTP response (one per prompt), on the event loop: their
-    outputs arrive on one queue, in step order. Iterate it; abort() what is unfinished
-    when the response ends early (the handler's finally)."""
+    outputs arrive on one queue, in step order; a request's outputs that waited there
+    together come out merged into one (api/coalesce.py). Iterate it; abort() what is
+    unfinished when the response ends early (the handler's finally)."""
 
     def __init__(self, engine: AsyncEngine) -> None:
         self._engine = engine
         self._queue: asyncio.Queue = asyncio.Queue()
         self.pending: set[str] = set()
+        self._delta: set[str] = set()  # requests whose outputs are DELTA (coalesce)
 
     async def add(self, request_id: str, prompt_token_ids: list[int],
                   params: SamplingParams) -> None:
@@ -71,19 +74,24 @@ class ResponseStream:
                             _Stream(self._queue), admitted))
         await asyncio.wrap_future(admitted)
         self.pending.add(request_id)
+        if params.output_kind is RequestOutputKind.DELTA:
+            self._delta.add(request_id)
 
     def __aiter__(self) -> AsyncIterator[RequestOutput]:
         return self._outputs()
 
     async def _outputs(self) -> AsyncIterator[RequestOutput]:
         while self.pending:
-            out = await self._queue.get()
-            if isinstance(out, BaseException):
-                self.pending.clear()  # the engine has dropped every request in flight
-                raise out
-            if out.finished:
-                self.pending.discard(out.request_id)
-            yield out
+            waiting = [await self._queue.get()]
+            while not self._queue.empty():  # fallen behind: one output a request (coalesce)
+                waiting.append(self._queue.get_nowait())
+            for out in coalesce(waiting, self._delta):
+                if isinstance(out, BaseException):
+                    self.pending.clear()  # the engine has dropped every request in flight
+                    raise out
+                if out.finished:
+                    self.pending.discard(out.request_id)
+                yield out
 
     def abort(self) -> None:
         for request_id in self.pending:

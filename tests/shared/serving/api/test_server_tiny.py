@@ -67,8 +67,10 @@ def test_completion_equals_llm_generate_streamed_or_not(client, reference, serve
         model="test-model", prompt=PROMPTS[0], stream=True, extra_body=EXTRA,
         stream_options={"include_usage": True}, **params))
     assert _stream_token_ids(chunks) == {0: want}
-    # one chunk per step: a decode step brings one token
-    assert [len(c.choices[0].model_extra["token_ids"]) for c in chunks[:-1]] == [1] * 7
+    # a chunk per step that brought tokens (a decode step brings one), or fewer where the
+    # reader fell behind and the waiting steps went as one (api/coalesce.py)
+    sizes = [len(c.choices[0].model_extra["token_ids"]) for c in chunks[:-1]]
+    assert sum(sizes) == 7 and min(sizes) >= 1
     assert chunks[-2].choices[0].finish_reason == "length"
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 7
     server.wait_idle()
