@@ -2,8 +2,9 @@
 piece (GPU machine): the KV write, each paged-attention mapping, the split reduction,
 the torch ops around them, a graph replay and a bare Triton launch, in microseconds of
 host time per call; and a later layer's launches from the step's plan, through Triton's
-dispatch and through kept compiled kernels (RepeatLaunch). The shapes are a small mixed batch (qwen3-0.6b's heads by default),
-whose GPU work is far shorter than its launches, so a loop of N calls measures the host.
+dispatch and through kept compiled kernels (RepeatLaunch). The shapes are a small mixed
+batch (qwen3-0.6b's heads by default), whose GPU work is far shorter than its launches,
+so a loop of N calls measures the host.
 
     python scripts/bench_attention_host.py [--heads 16] [--kv-heads 8] [--head-dim 128]
         [--tokens 16] [--reqs 8] [--context 512] [--iters 2000] [--out FILE]

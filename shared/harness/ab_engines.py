@@ -41,7 +41,8 @@ def engine_groups(labels: list[str]) -> list[list[str]]:
     return list(groups.values())
 
 
-def build_engines(args: argparse.Namespace, settings: dict) -> Mapping[str, LLMEngine]:
+def build_engines(args: argparse.Namespace,
+                  settings: dict) -> dict[str, LLMEngine] | OneEngineAtATime:
     """Every engine up front; under tensor parallelism one at a time (OneEngineAtATime)."""
     from shared.serving.engine import LLMEngine
 

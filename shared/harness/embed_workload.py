@@ -238,6 +238,17 @@ def _measure(args: argparse.Namespace, settings: dict, engines: dict[str, LLMEng
     return results, embeddings, run_s
 
 
+def _workload(engine: LLMEngine, s: dict, gemm_tflops: float) -> tuple:
+    """(prompts, GEMM floor, dtype) of the embed run on `engine`'s model. A function of
+    its own so that no local of run_embed names an engine or its model when
+    free_engines collects them."""
+    prompts = embed_prompts(s["prompts"], s["min_len"], s["max_len"], engine.vocab_size)
+    model = engine.runner.executor.model
+    floor = GemmFloor(len(prompts), sum(len(p) for p in prompts), matmul_params(model),
+                      parameter_count(model), gemm_tflops * 1e12)
+    return prompts, floor, engine.model_config.torch_dtype
+
+
 def run_embed(args: argparse.Namespace, settings: dict, report: dict | None,
               make_head: Callable[[dict[str, LLMEngine]], dict]) -> dict:
     """The embed workload into report["workloads"]["embed"] (a list of one entry).
@@ -248,12 +259,7 @@ def run_embed(args: argparse.Namespace, settings: dict, report: dict | None,
     try:
         if report is None:
             report = make_head(engines)
-        first = engines[runners[0]]
-        prompts = embed_prompts(s["prompts"], s["min_len"], s["max_len"], first.vocab_size)
-        model = first.runner.executor.model
-        floor = GemmFloor(len(prompts), sum(len(p) for p in prompts), matmul_params(model),
-                          parameter_count(model), report["gemm_TFLOPs"] * 1e12)
-        dtype = first.model_config.torch_dtype
+        prompts, floor, dtype = _workload(engines[runners[0]], s, report["gemm_TFLOPs"])
         info = {r: engine_info(e) for r, e in engines.items()}
         results, embeddings, run_s = _measure(args, settings, engines, prompts)
     finally:

@@ -12,19 +12,28 @@ same way launches that kernel directly. "The same way" is checked, not assumed: 
 tensor keeps its dtype and a 16-byte-aligned pointer when the first call's was aligned,
 every other argument is equal to the first call's. A call that differs goes through the
 JIT (which finds or compiles its own variant), never through the kept kernel, so a kept
-kernel never sees an argument it was not specialised for.
+kernel never sees an argument it was not specialised for; nor another GPU than the one
+it was loaded on (the current device is checked too). Only tensors and plain scalars
+(int, float, bool, str, None) are compared; a call with any other argument (a tuple, a
+tensor descriptor) keeps nothing.
+
+What the kept path does not repeat from the JIT's: its pre-run hooks and its check that
+the globals a kernel read have not changed, and the knobs in its cache key (debug,
+instrumentation) are taken as they were at the first call. The runner's kernels use
+none of these; a kernel that does should not be launched through this.
 
 Under the interpreter there is no compiled kernel: every call is a JIT call.
 """
 
 from __future__ import annotations
 
+import functools
 import inspect
 from typing import Any, NamedTuple
 
 import torch
 
-from shared.runtime.triton_utils import INTERPRET
+from shared.runtime.triton_utils import HAS_CUDA, INTERPRET
 
 
 class RepeatLaunch:
@@ -43,9 +52,11 @@ class RepeatLaunch:
         self._runner = None  # the kept kernel's launcher, after a JIT call that can keep it
         self._first: tuple = ()  # that call's arguments' specialisation keys
         self._tail: tuple = ()  # the kernel's remaining parameters, in order, from kwargs
+        self._device = -1  # the CUDA device current at that call
 
     def __call__(self, *args: Any) -> None:
-        if self._runner is not None and self._specialised_alike(args):
+        if (self._runner is not None and self._specialised_alike(args)
+                and _current_device() == self._device):
             self._runner(*args, *self._tail)
             return
         compiled = self.kernel[self.grid](*args, **self.kwargs)
@@ -53,7 +64,9 @@ class RepeatLaunch:
             self._keep(compiled, args)
 
     def _keep(self, compiled: Any, args: tuple) -> None:
-        params = list(inspect.signature(self.kernel.fn).parameters.values())[len(args):]
+        if not all(isinstance(a, _KEPT_TYPES) for a in args):
+            return  # an argument this rule does not model: stay on the JIT path
+        params = _parameters(self.kernel.fn)[len(args):]
         tail = []
         for p in params:  # the rest as the JIT binds them: by name, else the default
             if p.name in self.kwargs:
@@ -64,6 +77,7 @@ class RepeatLaunch:
                 return  # not a launch the JIT accepted; stay on the JIT path
         self._first = tuple(_key(a) for a in args)
         self._tail = tuple(tail)
+        self._device = _current_device()
         self._runner = compiled[self.grid]
 
     def _specialised_alike(self, args: tuple) -> bool:
@@ -80,6 +94,22 @@ class RepeatLaunch:
             elif type(a) is not type(k) or a != k:
                 return False
         return True
+
+
+# The argument types a kept kernel's calls are compared in (tensors by dtype and alignment,
+# the rest by type and value); a bool is an int, listed for the reader.
+_KEPT_TYPES = (torch.Tensor, bool, int, float, str, type(None))
+
+
+def _current_device() -> int:
+    return torch.cuda.current_device() if HAS_CUDA else -1
+
+
+@functools.cache
+def _parameters(fn: Any) -> tuple[inspect.Parameter, ...]:
+    """A kernel function's parameters, in order (inspect.signature costs tens of us, and
+    a plan's launches are set up every step)."""
+    return tuple(inspect.signature(fn).parameters.values())
 
 
 class _TensorKey(NamedTuple):

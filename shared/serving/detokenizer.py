@@ -129,13 +129,18 @@ class IncrementalDetokenizer:
         the incremental text is. So a FINAL_ONLY request, decoded once at its finish, has
         the text its CUMULATIVE twin streams (a SentencePiece decoder would strip a leading
         space from the output decoded alone). Call it on a fresh detokenizer."""
-        assert self._num_tokens == 0 and not self._stops, "decode_whole needs a fresh one"
+        if self._num_tokens or self._stops:
+            raise RuntimeError("decode_whole needs a fresh detokenizer without stop strings")
         ids = self._ids + [t for t in map(int, token_ids) if self._decodable(t)]
         prefix_text = self._decode(self._ids[self._prefix:self._read])
         text = self._decode(ids[self._prefix:])
         if text.startswith(prefix_text):
             return text[len(prefix_text):]
-        return self._decode(ids[self._read:])  # the context merged into the output
+        # The output changed the context's text: the prompt ended inside a character
+        # that the output completes. The incremental rule decides what that shows as.
+        for token_id in token_ids:
+            self.append(token_id)
+        return self.final_text()
 
     @property
     def stop_reason(self) -> str | None:

@@ -1,7 +1,7 @@
 """RepeatLaunch's rule, against a model of Triton's own specialisation: a call reuses the
-kept compiled kernel only when Triton would have specialised its arguments the same way
-(so the kept kernel never runs on an argument it was not compiled for), and it does reuse
-it for calls that differ only in which tensors they pass. The kernel here is a stand-in
+kept compiled kernel only where that kernel runs it correctly (its arguments specialised
+as the kernel was compiled, or an aligned pointer where it assumed no alignment), and it
+does reuse it for calls that differ only in which tensors they pass. The kernel here is a stand-in
 that records which path a call took; the real kernels run on the GPU
 (tests/gpu/shared/runtime/test_triton_launch_gpu.py)."""
 
@@ -65,6 +65,15 @@ def _triton_specialisation(args: tuple) -> tuple:
         else:
             out.append(("fp32",))
     return tuple(out)
+
+
+def _runs_correctly(compiled_for: tuple, call: tuple) -> bool:
+    """A kernel compiled for one specialisation runs a call of another correctly where
+    every argument is specialised alike, except that a kernel that assumed nothing of a
+    pointer's alignment takes an aligned one too."""
+    return len(compiled_for) == len(call) and all(
+        c == k or (c[0] == k[0] == "ptr" and c[1] == k[1] and not k[2])
+        for k, c in zip(compiled_for, call))
 
 
 def test_later_calls_launch_the_kept_kernel_with_every_parameter_in_order():
@@ -133,7 +142,8 @@ def test_a_missing_parameter_never_keeps_a_kernel():
 
 
 _POOL = torch.zeros(256, dtype=torch.float32)
-_TENSORS = [_POOL[i:i + 8] for i in range(0, 12, 4)] + [torch.zeros(8, dtype=torch.float64)]
+# aligned (offsets 0, 16, 32 bytes) and unaligned (4, 8 bytes) views; another dtype
+_TENSORS = [_POOL[i:i + 8] for i in (0, 1, 2, 4, 8)] + [torch.zeros(8, dtype=torch.float64)]
 _arg = st.one_of(st.sampled_from(_TENSORS), st.sampled_from([1, 2, 16, 32, True, 2**40]),
                  st.sampled_from([0.5, 1.0]))
 
@@ -150,7 +160,7 @@ def test_the_kept_kernel_runs_only_where_triton_would_pick_it(first, later):
     spec = _triton_specialisation(first)
     for args, entry in zip(later, kernel.log[1:]):
         if entry[0] == "kept":
-            assert _triton_specialisation(args) == spec, (first, args)
+            assert _runs_correctly(spec, _triton_specialisation(args)), (first, args)
         if all(b is a if isinstance(a, torch.Tensor) else type(a) is type(b) and a == b
                for a, b in zip(args, first)):
             assert entry[0] == "kept"  # the same arguments again always reuse it
@@ -164,4 +174,26 @@ def test_equal_values_of_another_type_go_through_the_jit(first_n, later_n):
     x, y = torch.zeros(8), torch.zeros(8)
     launch(x, first_n, 0.5, y)
     launch(x, later_n, 0.5, y)
+    assert [e[0] for e in kernel.log] == ["jit", "jit"]
+
+
+def test_arguments_the_rule_does_not_model_keep_nothing():
+    """A tuple (Triton takes them) is neither compared nor kept: the JIT every time."""
+    kernel = _Kernel()
+    launch = RepeatLaunch(kernel, (1,), BLOCK=16)
+    x, y = torch.zeros(8), torch.zeros(8)
+    for pair in ((x, y), (torch.zeros(8, dtype=torch.float64), y)):
+        launch(x, 8, pair, y)
+    launch(x, 8, 0.5, y)  # and a later call of plain arguments is compared against...
+    launch(x, 8, 0.5, y)  # ...the first call that kept a kernel
+    assert [e[0] for e in kernel.log] == ["jit", "jit", "jit", "kept"]
+
+
+def test_another_current_device_goes_through_the_jit(monkeypatch):
+    kernel = _Kernel()
+    launch = RepeatLaunch(kernel, (1,), BLOCK=16)
+    x, y = torch.zeros(8), torch.zeros(8)
+    launch(x, 8, 0.5, y)
+    monkeypatch.setattr(triton_launch, "_current_device", lambda: 1)
+    launch(x, 8, 0.5, y)
     assert [e[0] for e in kernel.log] == ["jit", "jit"]

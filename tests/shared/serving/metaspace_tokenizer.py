@@ -4,8 +4,10 @@ does not (it strips the leading space of a sequence's first piece)."""
 
 from __future__ import annotations
 
+from typing import Any
 
-def metaspace_tokenizer(size: int):
+
+def metaspace_tokenizer(size: int) -> Any:
     """`size` word pieces: most start a word (U+2581), some are multibyte (é)."""
     from tokenizers import Tokenizer, decoders, models
     from transformers import PreTrainedTokenizerFast

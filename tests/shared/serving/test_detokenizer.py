@@ -390,12 +390,14 @@ def test_decode_whole_is_the_final_text_of_appending_every_id(tok, pools, which,
     """FINAL_ONLY's one decode against the token-by-token oracle (CUMULATIVE's text)."""
     rng = random.Random(7 + skip)
     sp = metaspace_tokenizer(512) if which == "metaspace" else None
-    leading_space = 0
-    for _ in range(150):
-        if sp is None:
-            prompt = tok.encode(rng.choice(PROMPTS))
+    leading_space = split_character = 0
+    for k in range(300):
+        if sp is None:  # half the prompts from pieces: some end inside a character
+            prompt = (tok.encode(rng.choice(PROMPTS)) if k % 2 else
+                      random_ids(rng, tok, pools, rng.randint(0, 9), specials=False))
             ids = random_ids(rng, tok, pools, rng.randint(1, 40))
             t = tok
+            split_character += tok.decode(prompt).endswith("\ufffd")
         else:
             prompt = [rng.randrange(1, 512) for _ in range(rng.randint(0, 9))]
             ids = [rng.randrange(600) for _ in range(rng.randint(1, 40))]  # some outside
@@ -407,3 +409,5 @@ def test_decode_whole_is_the_final_text_of_appending_every_id(tok, pools, which,
         leading_space += bool(prompt) and whole.startswith(" ")
     if sp is not None:  # the case the prompt's context decides
         assert leading_space > 30
+    else:
+        assert split_character > 20
