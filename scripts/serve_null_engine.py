@@ -125,6 +125,8 @@ def main() -> None:
     ap.add_argument("--max-model-len", type=int, default=4096)
     ap.add_argument("--model-name", default="tiny-llama")
     ap.add_argument("--cprofile", default=None, metavar="FILE")
+    ap.add_argument("--http", default="auto", help="uvicorn's HTTP implementation")
+    ap.add_argument("--loop", default="auto", help="uvicorn's event loop")
     args = ap.parse_args()
     import uvicorn
 
@@ -132,7 +134,8 @@ def main() -> None:
 
     engine = NullEngine(args.max_model_len, args.max_num_seqs, args.step_ms, args.host_ms)
     app = build_app(engine, args.model_name)  # type: ignore[arg-type]
-    config = uvicorn.Config(app, host="127.0.0.1", port=args.port, log_level="warning")
+    config = uvicorn.Config(app, host="127.0.0.1", port=args.port, log_level="warning",
+                            http=args.http, loop=args.loop)
     profiler = cProfile.Profile() if args.cprofile else None
     if profiler is not None:
         profiler.enable()
