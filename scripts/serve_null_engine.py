@@ -4,12 +4,12 @@ The server (FastAPI app, AsyncEngine thread, SSE streams, metrics) runs as `runn
 serve` does, over an engine whose step costs nothing but an optional sleep (--step-ms, a
 GPU step during which the host waits and the GIL is free) and produces one token per
 running request per step (--host-ms before it: host work that holds the GIL, as a
-runner's stages do, and contends with the event loop). `runnerlab bench serve --base-url` against it measures how many
-output tokens a second the serving layer itself can deliver, with no model in the way;
---cprofile writes a profile of the event loop's thread (the uvicorn main thread) at exit.
+runner's stages do, and contends with the event loop). `runnerlab bench serve
+--base-url` against it measures how many output tokens a second the serving layer itself
+can deliver, with no model in the way; --cprofile writes a profile of the event loop's thread (the uvicorn main thread) at exit.
 
-    python scripts/serve_null_engine.py --port 8765 [--step-ms 0] [--host-ms 0] [--max-num-seqs 256]
-        [--cprofile FILE]
+    python scripts/serve_null_engine.py --port 8765 [--step-ms 0] [--host-ms 0]
+        [--max-num-seqs 256] [--http auto] [--loop auto] [--cprofile FILE]
     runnerlab bench serve --base-url http://127.0.0.1:8765 --model tiny-llama \\
         --num-prompts 256 --request-rate inf
 """
@@ -72,7 +72,7 @@ class NullEngine:
                     params: SamplingParams) -> None:
         self.requests[request_id] = _Request(list(prompt_token_ids), params)
 
-    def abort_request(self, request_ids) -> None:
+    def abort_request(self, request_ids: str | list[str]) -> None:
         for rid in [request_ids] if isinstance(request_ids, str) else request_ids:
             if rid in self.requests:
                 self.requests[rid].aborted = True
@@ -90,19 +90,22 @@ class NullEngine:
         outputs = []
         for rid in list(self.requests)[:self.max_num_seqs]:
             req = self.requests[rid]
-            if req.aborted:
-                reason = "abort"
+            delta = req.params.output_kind is RequestOutputKind.DELTA
+            if req.aborted:  # as the engine reports an abort: nothing new
+                reason, new = "abort", 0
             else:
                 req.num_tokens += 1
                 reason = "length" if req.num_tokens >= req.params.max_tokens else None
-            delta = req.params.output_kind is RequestOutputKind.DELTA
-            ids = [42] if delta else [42] * req.num_tokens
-            text = " x" if delta else " x" * req.num_tokens
+                new = 1
+            ids = [42] * (new if delta else req.num_tokens)
+            text = " x" * (new if delta else req.num_tokens)
             outputs.append(RequestOutput(rid, req.prompt, [CompletionOutput(
                 0, ids, text, finish_reason=reason)], finished=reason is not None))
             if reason is not None:
                 del self.requests[rid]
-        self.scheduler.running = list(self.requests)[:self.max_num_seqs]
+        live = list(self.requests)
+        self.scheduler.running = live[:self.max_num_seqs]
+        self.scheduler.waiting = live[self.max_num_seqs:]
         return outputs
 
     def num_total_kv_blocks(self) -> int:

@@ -51,6 +51,9 @@ class _Stream:
     last_token: float | None = None
     num_tokens: int = 0
     aborted: bool = False  # by its client: its outputs are counted, never delivered
+    # each sample's finish reason, as its outputs report it (a DELTA output carries only
+    # the samples a step advanced, so the final one may not name them all)
+    finish_reasons: dict[int, str] = field(default_factory=dict)
     delta: bool = False  # its outputs are DELTA (what each step added), else CUMULATIVE
 
 
@@ -245,8 +248,13 @@ class AsyncEngine:
                 self.observer.observe_itl(now - stream.last_token, new)
         if new > 0:
             stream.num_tokens, stream.last_token = stream.num_tokens + new, now
+        for c in out.outputs:
+            if c.finish_reason is not None:
+                stream.finish_reasons[c.index] = c.finish_reason
         if out.finished and self.observer is not None:
-            self.observer.observe_finished(out, now - stream.arrival)
+            self.observer.observe_finished(len(out.prompt_token_ids), stream.num_tokens,
+                                           list(stream.finish_reasons.values()),
+                                           now - stream.arrival)
 
     def _take_snapshot(self) -> None:
         scheduler = self.engine.scheduler

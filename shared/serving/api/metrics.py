@@ -82,12 +82,16 @@ class ServerMetrics:
         for _ in range(num_tokens):
             self.itl.observe(seconds / num_tokens)
 
-    def observe_finished(self, out: Any, seconds: float) -> None:
+    def observe_finished(self, prompt_tokens: int, generated_tokens: int,
+                         finish_reasons: list[str], seconds: float) -> None:
+        """A finished request: its prompt, every token its samples generated and each
+        sample's finish reason (counted over its whole life, not read from its last
+        output, which for a stream is only the last step's piece)."""
         self.e2e.observe(seconds)
-        for completion in out.outputs:
-            self.finished.labels(completion.finish_reason or "unknown").inc()
-            self.generation_tokens.inc(len(completion.token_ids))
-        self.prompt_tokens.inc(len(out.prompt_token_ids))
+        for reason in finish_reasons or ["unknown"]:
+            self.finished.labels(reason).inc()
+        self.generation_tokens.inc(generated_tokens)
+        self.prompt_tokens.inc(prompt_tokens)
 
     # ---- read by /metrics ----------------------------------------------------------------
     def render(self, snapshot: Any) -> bytes:

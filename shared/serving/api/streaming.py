@@ -86,8 +86,10 @@ def _chunk_choice(req: Any, state: _Choice, index: int, c: CompletionOutput,
                   finished: bool) -> dict[str, Any] | None:
     """This step's chunk for one choice from its DELTA output (the engine has held back
     an incomplete character and a possible stop-string start already), or None when it
-    has nothing to send."""
-    if not (c.text or finished or (req.return_token_ids and c.token_ids)):
+    has nothing to send. A piece with tokens but no settled text is sent too (vLLM's rule):
+    its logprobs are its tokens', and skipping it lost them and shifted the text offsets
+    of the logprobs after it."""
+    if not (c.text or finished or c.token_ids):
         return None
     logprobs = _logprobs(req, c, 0, len(c.token_ids), state.text_offset)
     if logprobs is not None and not _is_chat(req):

@@ -53,11 +53,14 @@ def _concatenated(outputs: list, rid: str) -> dict:
         if o.prompt_logprobs is not None:
             prompt_logprobs.append(o.prompt_logprobs)
         for c in o.outputs:
-            s = got.setdefault(c.index, {"ids": [], "text": "", "logprobs": [], "reason": None})
+            s = got.setdefault(c.index, {"ids": [], "text": "", "logprobs": [], "reason": None,
+                                         "stop_reason": None, "cumulative": None})
             s["ids"] += c.token_ids
             s["text"] += c.text
             s["logprobs"] += c.logprobs or []
-            s["reason"] = c.finish_reason
+            # the state after the latest piece
+            s["reason"], s["stop_reason"] = c.finish_reason, c.stop_reason
+            s["cumulative"] = c.cumulative_logprob
     return {"samples": got, "prompt_logprobs": prompt_logprobs}
 
 
@@ -65,8 +68,12 @@ def _expected(items: list, finals: dict, rid: str) -> dict:
     """The unmerged stream's pieces, checked against the CUMULATIVE twin."""
     sent = _concatenated(items, f"d{rid}")
     twin = finals[f"c{rid}"]
-    assert {c.index: (c.token_ids, c.text, c.finish_reason) for c in twin.outputs} == {
-        i: (s["ids"], s["text"], s["reason"]) for i, s in sent["samples"].items()}
+    assert {c.index: (c.token_ids, c.text, c.finish_reason, c.stop_reason)
+            for c in twin.outputs} == {
+        i: (s["ids"], s["text"], s["reason"], s["stop_reason"])
+        for i, s in sent["samples"].items()}
+    assert all(abs(sent["samples"][c.index]["cumulative"] - c.cumulative_logprob) < 1e-9
+               for c in twin.outputs)
     for c in twin.outputs:
         got = sent["samples"][c.index]["logprobs"]
         assert [d.keys() for d in got] == [d.keys() for d in c.logprobs]
@@ -121,3 +128,76 @@ def test_a_stream_that_fell_behind_yields_one_output_a_request(run):
     items = [o for step in steps for o in step]
     for rid in ("a", "b"):
         assert _concatenated(got, f"d{rid}") == _expected(items, finals, rid)
+
+
+def _streamed_logprobs(outputs: list) -> dict[int, dict]:
+    """The completions stream's logprobs per choice, for these DELTA outputs (n = 2)."""
+    import json
+
+    from shared.serving.api.protocol import CompletionRequest
+    from shared.serving.api.streaming import response_events, response_header
+
+    req = CompletionRequest(model="m", prompt=[1, 2, 3], n=2, logprobs=2, stream=True)
+
+    class _Stream:
+        def __aiter__(self):
+            return self._gen()
+
+        async def _gen(self):
+            for o in outputs:
+                yield o
+
+    async def read() -> list[str]:
+        return [e async for e in response_events(_Stream(), ["da"], req,
+                                                 response_header(req, "m"))]
+
+    got: dict[int, dict] = {}
+    for event in asyncio.run(read()):
+        data = event[len("data: "):].strip()
+        if data == "[DONE]":
+            continue
+        for ch in json.loads(data)["choices"]:
+            g = got.setdefault(ch["index"], {"text": "", "tokens": [], "offsets": []})
+            g["text"] += ch["text"]
+            if ch["logprobs"] is not None:
+                g["tokens"] += ch["logprobs"]["tokens"]
+                g["offsets"] += ch["logprobs"]["text_offset"]
+    return got
+
+
+def test_streamed_logprobs_do_not_depend_on_how_outputs_were_grouped(run):
+    """A piece whose text is held back (a stop string may be starting) still carries its
+    tokens' logprobs: the stream sends them, merged or not, with the text offsets of
+    the text as it grows (each token's offset: the characters of the tokens before it)."""
+    steps, finals = run
+    items = [o for step in steps for o in step if o.request_id == "da"]
+    assert any(c.token_ids and not c.text for o in items for c in o.outputs)  # held pieces
+    unmerged, merged = _streamed_logprobs(items), _streamed_logprobs(coalesce(items, {"da"}))
+    assert unmerged == merged
+    for c in finals["ca"].outputs:
+        g = unmerged[c.index]
+        assert len(g["tokens"]) == len(c.token_ids) and g["text"] == c.text
+        lengths = [len(t) for t in g["tokens"]]
+        assert g["offsets"] == [sum(lengths[:i]) for i in range(len(lengths))]
+
+
+def test_outputs_that_came_before_a_failed_step_are_read_before_its_error(run):
+    steps, _ = run
+
+    async def read() -> tuple[list, BaseException | None]:
+        stream = ResponseStream(engine=None)  # type: ignore[arg-type]
+        stream.pending, stream._delta = {"da", "db"}, {"da", "db"}
+        for o in steps[0] + steps[1]:
+            stream._queue.put_nowait(o)
+        stream._queue.put_nowait(RuntimeError("the step failed"))
+        got = []
+        try:
+            async for o in stream:
+                got.append(o)
+        except RuntimeError as exc:
+            return got, exc
+        return got, None
+
+    got, error = asyncio.run(read())
+    assert error is not None and [o.request_id for o in got] == ["da", "db"]
+    assert [len(o.outputs[0].token_ids) for o in got] == [2, 2]  # two steps merged

@@ -235,11 +235,28 @@ def test_models_health_and_metrics(server, runner):
 
 
 def _finished_count(server, reason: str = "length") -> float:
+    return _metric(server, f'runnerlab_requests_finished_total{{finish_reason="{reason}"}}')
+
+
+def _metric(server, name: str) -> float:
     text = httpx.get(server.base_url + "/metrics", timeout=30).text
-    line = next((x for x in text.splitlines()
-                 if x.startswith(f'runnerlab_requests_finished_total{{finish_reason="{reason}"}}')),
-                None)
+    line = next((x for x in text.splitlines() if x.startswith(name + " ")), None)
     return 0.0 if line is None else float(line.split()[-1])
+
+
+def test_metrics_count_a_streamed_requests_whole_output(client, server):
+    """A streamed request's outputs are DELTA pieces: its last one carries only the last
+    step's tokens, of the samples that step advanced; the counters take its whole life."""
+    server.wait_idle()
+    tokens = _metric(server, "runnerlab_generation_tokens_total")
+    finished = _finished_count(server)
+    chunks = list(client.completions.create(
+        model="test-model", prompt=PROMPTS[1], stream=True, n=2, max_tokens=5,
+        temperature=0.9, seed=3, extra_body=EXTRA))
+    assert {i: len(ids) for i, ids in _stream_token_ids(chunks).items()} == {0: 5, 1: 5}
+    server.wait_idle()
+    assert _metric(server, "runnerlab_generation_tokens_total") == tokens + 10
+    assert _finished_count(server) == finished + 2
 
 
 def test_bounded_load_nothing_lost_or_duplicated(server, runner):
