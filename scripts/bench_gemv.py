@@ -7,6 +7,7 @@ call from a CUDA graph of back-to-back calls, as the runners replay decode, over
 distinct weight copies (like distinct layers) that nothing is served from L2.
 
   python3 scripts/bench_gemv.py --out gemv.json [--configs-out gemv_configs.json] [--token-rows]
+      [--ms 1,4] [--shapes llama,qwen3,llama1b]
 
 On a machine without a GPU, `--check` runs the kernel under the Triton interpreter on a
 small shape against F.linear (correctness only; tests/shared/model/kernels/test_gemv.py is thorough).
@@ -44,12 +45,23 @@ SHAPES = [
     ("qwen3 gate_up", 6144, 1024, "silu", True, 0, 0),
     ("qwen3 down", 1024, 3072, "residual", False, 0, 0),
     ("qwen3 lm_head", 151936, 1024, "none", False, 0, 0),
+    # llama-3.2-1b: the draft model of the speculative-decoding runs (issue 22)
+    ("llama1b qkv", 3072, 2048, "rope", True, 64, 40),
+    ("llama1b o_proj", 2048, 2048, "residual", False, 0, 0),
+    ("llama1b gate_up", 16384, 2048, "silu", True, 0, 0),
+    ("llama1b down", 2048, 8192, "residual", False, 0, 0),
+    ("llama1b lm_head", 128256, 2048, "none", False, 0, 0),
 ]
 # (BLOCK_N, BLOCK_K, warps, stages, kernel): the FMA kernel (kernel 0; stages do not
 # apply), the double-buffered FMA kernel (2) and the tensor-core one (1).
 SWEEP = [*itertools.product((8, 16, 32), (256, 512, 1024), (4, 8), (2, 4), (0,)),
          *itertools.product((4, 8, 16, 32), (128, 256, 512), (4, 8), (1,), (2,)),
          *itertools.product((16, 32, 64), (128, 256, 512), (4, 8), (3, 5), (1,))]
+# More than one token row (a speculative verify, a draft's catch-up): the FMA kernel with
+# one accumulator per row (gemv_tiles.fma_rows: its registers grow with the rows, so
+# smaller tiles) and the tensor-core kernel.
+SWEEP_ROWS = [*itertools.product((4, 8, 16), (64, 128, 256, 512), (4, 8), (1,), (0,)),
+              *itertools.product((16, 32, 64), (128, 256), (4, 8), (3,), (1,))]
 REPS = 20
 COPY_BYTES = 1 << 30  # distinct weight copies per shape: ~1 GiB, >> the 50 MB L2
 
@@ -119,7 +131,7 @@ def bench_shape(name, rows, k, epilogue, has_norm, head_dim, rope_heads, m, bw, 
     cublas_ms = timed([lambda w=w: F.linear(case.x, w) for w in case.weights])
     unfused_ms = timed([lambda w=w: case.unfused(w) for w in case.weights])
     best, by_kernel, failed = None, {}, 0
-    for cfg in SWEEP if sweep else [config]:
+    for cfg in (SWEEP if m == 1 else SWEEP_ROWS) if sweep else [config]:
         try:
             out = gemv.gemv(case.x, case.weights[0], **case.kw, config=cfg).float()
         except Exception as e:  # e.g. a dot tile that exceeds shared memory: not a candidate
@@ -131,7 +143,7 @@ def bench_shape(name, rows, k, epilogue, has_norm, head_dim, rope_heads, m, bw, 
             raise AssertionError(f"{name} config {cfg}: differs from float32 by {err}")
         ms = timed(case.fused(cfg))
         result = {"config": list(cfg), "time_ms": ms, "max_abs_err": err}
-        kind = ("fma", "dot", "fma2")[cfg[4]]
+        kind = ("fma", "dot", "fma2")[cfg[4]] if m == 1 or cfg[4] == 1 else "fma_rows"
         if kind not in by_kernel or ms < by_kernel[kind]["time_ms"]:
             by_kernel[kind] = result
         if best is None or ms < best["time_ms"]:
@@ -179,7 +191,14 @@ def main() -> int:
     p.add_argument("--check", action="store_true", help="interpreter correctness check only")
     p.add_argument("--token-rows", action="store_true",
                    help="also time 2-16 token rows on the llama shapes (where MAX_TOKENS comes from)")
+    p.add_argument("--ms", default="1",
+                   help="token rows to tune, comma-separated (1: batch-1 decode; 4: a k=3 "
+                        "verify); each (shape, rows) gets its own table entry")
+    p.add_argument("--shapes", default="llama,qwen3",
+                   help="model families of SHAPES to run: llama, qwen3, llama1b")
     args = p.parse_args()
+    families = set(args.shapes.split(","))
+    shapes = [shape for shape in SHAPES if shape[0].split()[0] in families]
     if args.check or not torch.cuda.is_available():
         check_on_cpu()
         return 0
@@ -187,16 +206,18 @@ def main() -> int:
     gpu = torch.cuda.get_device_name()
     print(f"GPU {gpu}: read bandwidth {bw:.0f} GB/s", flush=True)
     rows = []
-    for shape in SHAPES:
-        rows.append(bench_shape(*shape, 1, bw))
-        torch.cuda.empty_cache()  # the last shape's weight copies
+    for m in (int(m) for m in args.ms.split(",")):
+        for shape in shapes:
+            rows.append(bench_shape(*shape, m, bw))
+            torch.cuda.empty_cache()  # the last shape's weight copies
     if args.configs_out:  # now, not at the end: a run cut short keeps its tuned table
         merge_configs(args.configs_out, gpu, {r["key"]: r["fused"]["config"] for r in rows})
     if args.token_rows:
         # More token rows, tensor-core kernel with the best M=1 dot config: where the GEMV
         # path stops paying against cuBLAS (MAX_TOKENS).
-        best_dot = {r["shape"]: r["best_by_kernel"]["dot"]["config"] for r in rows}
-        for shape in SHAPES[:4]:
+        best_dot = {r["shape"]: r["best_by_kernel"]["dot"]["config"] for r in rows
+                    if r["m"] == 1}
+        for shape in [s_ for s_ in shapes if s_[0] in best_dot][:4]:
             for m in (2, 4, 8, 16):
                 rows.append(bench_shape(*shape, m, bw, sweep=False, config=best_dot[shape[0]]))
     report = {"command": "python3 scripts/bench_gemv.py " + " ".join(sys.argv[1:]),

@@ -5,7 +5,8 @@ speculation (GPU machine; CPU runs for smoke).
 
     python scripts/profile_spec.py --model llama-3-8b --draft llama-3.2-1b --k 3 \
         --rates 0.9,0.8,0.7 [--runners v1,v2] [--prompt-len 1024] [--steps 32] \
-        [--kernel-options JSON] [--variants JSON] [--cprofile 40] [--out FILE]
+        [--kernel-options JSON] [--variants JSON] [--cprofile 40] [--kernel-profile 5]
+        [--out FILE]
 
 --kernel-options: every engine's KernelOptions (JSON, policy/kernel_options.py).
 --variants: one speculative engine per runner and variant, each with the base options
@@ -19,6 +20,9 @@ event time from its first to its last launch), draft_gpu_done_at_host_return (th
 of steps whose draft GPU work had finished when the host returned from the call: near 1
 means the draft is host-bound; V1's proposer ends in a sync, so it is always 1 there),
 and draft_forwards (the draft's mode counters over the measured steps).
+--kernel-profile N: after the measured steps, N more under torch.profiler (CUDA), and the
+GPU kernels of a step grouped by (name, grid) as scripts/profile_decode.py prints them:
+the verify forward's kernels beside the plain decode step's, and the draft's.
 """
 
 from __future__ import annotations
@@ -27,7 +31,9 @@ import argparse
 import cProfile
 import io
 import json
+import os
 import pstats
+import tempfile
 import time
 
 import torch
@@ -94,6 +100,22 @@ class DraftTimer:
         del self.target.propose  # the instance attribute: the class's method again
 
 
+def profile_kernels(engine, steps: int) -> None:
+    """`steps` engine steps under torch.profiler; prints their kernels per step by grid."""
+    from profile_decode import print_kernels_by_grid  # scripts/ is sys.path[0]
+
+    torch.cuda.synchronize()
+    acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=acts) as prof:
+        for _ in range(steps):
+            engine.step()
+        torch.cuda.synchronize()
+    with tempfile.TemporaryDirectory() as tmp:
+        trace = os.path.join(tmp, "trace.json")
+        prof.export_chrome_trace(trace)
+        print_kernels_by_grid(trace, steps=steps)
+
+
 def median(xs: list[float]) -> float | None:
     xs = sorted(xs)
     return xs[len(xs) // 2] if xs else None
@@ -133,6 +155,8 @@ def run(engine, args, measure: bool = True) -> dict:
         if not engine.has_unfinished_requests():
             break
     tokens = len(outs[0].outputs[0].token_ids) if outs else 0
+    if measure and args.kernel_profile and on_cuda and engine.has_unfinished_requests():
+        profile_kernels(engine, args.kernel_profile)
     engine.abort_request("r")
     while engine.has_unfinished_requests():
         engine.step()
@@ -162,6 +186,8 @@ def run(engine, args, measure: bool = True) -> dict:
 
 
 def main() -> None:
+    from shared.harness.ab_engines import free_engines
+
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="llama-3-8b")
     ap.add_argument("--draft", default="llama-3.2-1b")
@@ -179,6 +205,8 @@ def main() -> None:
                     help="name -> KernelOptions changes of one speculative engine per runner")
     ap.add_argument("--cprofile", type=int, default=0, metavar="N",
                     help="cProfile the measured steps; the N functions of most own time")
+    ap.add_argument("--kernel-profile", type=int, default=0, metavar="N",
+                    help="N more steps per engine under torch.profiler: kernels by grid")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     rates = [float(r) for r in args.rates.split(",")][: args.k]
@@ -198,9 +226,11 @@ def main() -> None:
             if profile:
                 print(profile)
                 res["cprofile_tottime"] = profile
-            del engine
-            if args.device == "cuda":
-                torch.cuda.empty_cache()
+            # shutdown, collect and empty the cache: an engine is a web of reference
+            # cycles, so `del` alone left it beside the next one's KV cache
+            done = {"done": engine}
+            del engine  # no name of ours may keep it alive through the collection
+            free_engines(done)
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"args": vars(args), "results": results}, f, indent=1, default=str)

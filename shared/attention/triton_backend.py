@@ -1,18 +1,24 @@
 """TRITON backend: the unified paged-attention kernel (the GPU default).
 
-Which launches run is decided in build() from two host values only, so it never needs a
-device sync:
+Which launches run is decided from host values only, so it never needs a device sync:
 - the single-query (split-KV decode) mapping runs when max_query_len <= 1 or
   num_decodes > 0; it owns every row with query length 1;
 - the multi-query (tiled prefill) mapping runs when max_query_len > 1; it owns the rows
   with query length > 1, and the length-1 rows too when the single-query mapping is off.
 Each row is therefore handled by exactly one mapping whatever num_decodes says.
+- Except: a uniform batch whose every real row has the same short query length q > 1
+  (a speculative verify of 1 + k tokens a request; uniform_query_len, set in build())
+  runs the split mapping alone over rows of q tokens, where q x GROUP heads fit one
+  program's tile (splits_query_rows): the multi-query mapping gives such a batch one
+  program per (request, KV head), which left a batch-1 verify at 1024 keys latency-bound
+  on a handful of SMs (docs/results/README.md, speculative decoding).
 
 CUDA-graph rule: a uniform-decode batch (max_query_len == 1) always launches exactly the
 single-query program (+ its split reduction), with a grid fixed by the padded row count
 and a split count that is a function of that row count and the device alone. So a graph
 captured on one uniform-decode batch replays correctly for any seq_lens, block tables or
-number of real rows within the captured size.
+number of real rows within the captured size. The same holds for a uniform verify batch:
+its query length is the graph's (the batch descriptor's), padded rows have length 0.
 """
 
 from __future__ import annotations
@@ -26,7 +32,7 @@ import torch
 from shared.attention.backend import AttentionBackend
 from shared.attention.decode_attention import decode_attention
 from shared.attention.metadata import CommonAttentionMetadata
-from shared.attention.triton_unified_attention import PagedAttentionPlan
+from shared.attention.triton_unified_attention import PagedAttentionPlan, splits_query_rows
 from shared.runtime.kernel_options import kernel_options
 from shared.runtime.triton_utils import next_power_of_2
 
@@ -49,6 +55,9 @@ class TritonAttentionMetadata:
     block_table: torch.Tensor  # int32 [R, max_blocks_per_req], device
     run_single_query: bool
     run_multi_query: bool
+    # q when every real row has exactly q query tokens (num_actual_tokens equals
+    # num_reqs x max_query_len, an upper bound at worst), else 0
+    uniform_query_len: int
     # The step's paged-attention launch plans, one per attention shape, built by the
     # first layer that needs one (TritonAttentionImpl.forward); see PagedAttentionPlan.
     plans: dict = field(default_factory=dict)
@@ -62,6 +71,8 @@ class TritonMetadataBuilder:
         # No .contiguous() copy here: a graph must read the persistent table itself.
         assert common.block_table.stride(-1) == 1, "block_table rows must be contiguous"
         uniform_decode = common.max_query_len <= 1
+        uniform = common.num_reqs > 0 and (
+            common.num_actual_tokens == common.num_reqs * common.max_query_len)
         return TritonAttentionMetadata(
             common=common,
             query_start_loc=common.query_start_loc,
@@ -69,6 +80,7 @@ class TritonMetadataBuilder:
             block_table=common.block_table,
             run_single_query=uniform_decode or common.num_decodes > 0,
             run_multi_query=not uniform_decode,
+            uniform_query_len=common.max_query_len if uniform else 0,
         )
 
 
@@ -167,12 +179,17 @@ class TritonAttentionImpl:
         key = (self.num_heads, self.num_kv_heads, self.head_dim, self.scale)
         plan = metadata.plans.get(key)
         if plan is None:
+            single, multi, query_len = (
+                metadata.run_single_query, metadata.run_multi_query, 1)
+            if splits_query_rows(metadata.uniform_query_len,
+                                 self.num_heads // self.num_kv_heads):
+                single, multi, query_len = True, False, metadata.uniform_query_len
             plan = metadata.plans[key] = PagedAttentionPlan.build(
                 query, key_cache, value_cache, output,
                 metadata.query_start_loc, metadata.seq_lens, metadata.block_table, self.scale,
-                run_single_query=metadata.run_single_query,
-                run_multi_query=metadata.run_multi_query,
+                run_single_query=single, run_multi_query=multi,
                 num_splits=self.splits_for(metadata.seq_lens.shape[0], query.device),
+                split_query_len=query_len,
             )
         plan.launch(query, key_cache, value_cache, output)
 

@@ -63,18 +63,34 @@ def invariant_config(group: int, block_d: int, wide: bool) -> _KernelConfig:
     return _KernelConfig(block_m, block_m // group, tile_n, num_warps=4, num_stages=2)
 
 
-def single_query_config(group: int, block_d: int, wide: bool) -> _KernelConfig:
+def single_query_config(group: int, block_d: int, wide: bool,
+                        query_len: int = 1) -> _KernelConfig:
+    """The split mapping's config for rows of `query_len` tokens (1: decodes)."""
     # tl.dot needs M >= 16: the GROUP heads of one decode token fill the rows (the rest
-    # are masked). Decode is bandwidth-bound, so the idle rows cost nothing that matters.
+    # are masked). Decode is bandwidth-bound, so the idle rows cost nothing that matters;
+    # a short verify row's tokens fill them instead (4 tokens x GROUP 4: no idle row).
     if kernel_options().batch_invariant:
+        assert query_len == 1, "batch-invariant mode splits no multi-token row"
         return invariant_config(group, block_d, wide)
-    block_m = max(16, next_power_of_2(group))
+    block_m = max(16, next_power_of_2(group * query_len))
     if wide:  # see _multi_query_config
-        return _KernelConfig(block_m, 1, 32, num_warps=8, num_stages=3)
+        return _KernelConfig(block_m, query_len, 32, num_warps=8, num_stages=3)
     options = kernel_options()
     tile_n = options.attention_tile_n or (64 if block_d <= 128 else 32)
-    return _KernelConfig(block_m, 1, tile_n, num_warps=options.attention_num_warps or 4,
-                         num_stages=3)
+    return _KernelConfig(block_m, query_len, tile_n,
+                         num_warps=options.attention_num_warps or 4, num_stages=3)
+
+
+# The split mapping takes a uniform batch's rows of several tokens (a speculative verify)
+# while their tokens x GROUP heads fit this many rows of one program's tile; longer rows
+# go to the multi-query mapping, which does not split the KV.
+MAX_SPLIT_ROWS = 64
+
+
+def splits_query_rows(query_len: int, group: int) -> bool:
+    """Does the split mapping take a uniform batch whose rows have `query_len` tokens?"""
+    return (1 < query_len and next_power_of_2(query_len * group) <= MAX_SPLIT_ROWS
+            and not kernel_options().batch_invariant)
 
 
 def _multi_query_config(group: int, block_d: int, wide: bool) -> _KernelConfig:
@@ -118,17 +134,20 @@ def paged_attention(
     run_single_query: bool,
     run_multi_query: bool,
     num_splits: int = 1,
+    split_query_len: int = 1,
 ) -> None:
     """Launch the unified kernel in the mappings asked for.
 
-    run_single_query: rows with query length 1 go to the split-KV single-query mapping.
+    run_single_query: rows with query length `split_query_len` (1: decodes; more: every
+    row of a uniform verify batch) go to the split-KV mapping.
     run_multi_query: rows with query length > 1 (and, when run_single_query is False,
-    also those of length 1) go to the tiled multi-query mapping. Launch shapes depend
-    only on T, R, the head shape and num_splits.
+    also those of length 1) go to the tiled multi-query mapping; with a split_query_len
+    above 1 it must be off. Launch shapes depend only on T, R, the head shape, num_splits
+    and split_query_len.
     """
     plan = PagedAttentionPlan.build(
         query, key_cache, value_cache, output, query_start_loc, seq_lens, block_table, scale,
-        run_single_query, run_multi_query, num_splits)
+        run_single_query, run_multi_query, num_splits, split_query_len)
     plan.launch(query, key_cache, value_cache, output)
 
 
@@ -162,7 +181,7 @@ class PagedAttentionPlan:
     @classmethod
     def build(cls, query, key_cache, value_cache, output, query_start_loc, seq_lens,
               block_table, scale: float, run_single_query: bool, run_multi_query: bool,
-              num_splits: int) -> PagedAttentionPlan:
+              num_splits: int, split_query_len: int = 1) -> PagedAttentionPlan:
         num_tokens, num_heads, head_dim = query.shape
         _, kv_block_size, num_kv_heads, _ = key_cache.shape
         num_reqs = seq_lens.shape[0]
@@ -170,6 +189,9 @@ class PagedAttentionPlan:
                      block_table, num_splits)
         if num_tokens == 0 or num_reqs == 0:
             run_single_query = run_multi_query = False
+        # The multi-query mapping skips only length-1 rows: a split mapping of longer
+        # rows would leave it the same rows a second time.
+        assert split_query_len == 1 or not run_multi_query, split_query_len
         group = num_heads // num_kv_heads
         block_d = max(16, next_power_of_2(head_dim))
         dot_dtype = dot_dtype_for(query.dtype)
@@ -181,22 +203,22 @@ class PagedAttentionPlan:
         )
         single = multi = reduce = None
         keep = kernel_options().repeat_launches
-        partials = split_partials(query, num_reqs, num_splits) if run_single_query else (
-            query, query, query)
+        partials = split_partials(query, num_reqs * split_query_len, num_splits) \
+            if run_single_query else (query, query, query)
         if run_single_query:
-            cfg = single_query_config(group, block_d, wide)
+            cfg = single_query_config(group, block_d, wide, split_query_len)
             single = RepeatLaunch(
                 paged_attention_kernel, (num_reqs, num_kv_heads, num_splits), keep, **consts,
-                BLOCK_M=cfg.block_m, BLOCK_Q=1, TILE_N=cfg.tile_n, SINGLE_QUERY=True,
-                MIN_QUERY_LEN=1, NUM_SPLITS=num_splits, num_warps=cfg.num_warps,
-                num_stages=cfg.num_stages, **pdl_launch(query))
+                BLOCK_M=cfg.block_m, BLOCK_Q=split_query_len, TILE_N=cfg.tile_n,
+                SINGLE_QUERY=True, MIN_QUERY_LEN=1, NUM_SPLITS=num_splits,
+                num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(query))
             if num_splits > 1:
                 reduce = RepeatLaunch(
-                    reduce_splits_kernel, (num_reqs, num_heads), keep, HEAD_DIM=head_dim,
-                    BLOCK_D=block_d, TILE_N=cfg.tile_n, NUM_SPLITS=num_splits,
-                    BLOCK_S=next_power_of_2(num_splits),
+                    reduce_splits_kernel, (num_reqs * split_query_len, num_heads), keep,
+                    HEAD_DIM=head_dim, BLOCK_D=block_d, TILE_N=cfg.tile_n,
+                    NUM_SPLITS=num_splits, BLOCK_S=next_power_of_2(num_splits),
                     MIN_TILES_PER_SPLIT=consts["MIN_TILES_PER_SPLIT"], num_warps=4,
-                    **pdl_launch(output))
+                    QUERY_LEN=split_query_len, **pdl_launch(output))
         if run_multi_query:
             cfg = _multi_query_config(group, block_d, wide)
             # When the single-query mapping also runs it owns the length-1 rows.
@@ -241,17 +263,17 @@ def check_launch(query, key_cache, value_cache, output, query_start_loc, seq_len
     assert block_table.stride(1) == 1 and num_splits >= 1
 
 
-def split_partials(query: torch.Tensor, num_reqs: int, num_splits: int) -> tuple:
-    """(part_out, part_max, part_sum) of a split decode launch. Allocated per call: under
-    graph capture they come from the graph's pool, like any activation, so they stay
-    valid for every replay. With one split the kernels never touch them (NUM_SPLITS == 1
+def split_partials(query: torch.Tensor, num_rows: int, num_splits: int) -> tuple:
+    """(part_out, part_max, part_sum) of a split launch over `num_rows` query tokens
+    (padded rows x their query length). Allocated per call: under graph capture they come
+    from the graph's pool, like any activation, so they stay valid for every replay. With one split the kernels never touch them (NUM_SPLITS == 1
     compiles the partial stores away): placeholders."""
     if num_splits == 1:
         return query, query, query
     num_heads, head_dim = query.shape[1:]
     acc_dtype = torch.float64 if query.dtype == torch.float64 else torch.float32
-    part_out = query.new_empty((num_reqs, num_heads, num_splits, head_dim), dtype=acc_dtype)
-    part_max = query.new_empty((num_reqs, num_heads, num_splits), dtype=acc_dtype)
+    part_out = query.new_empty((num_rows, num_heads, num_splits, head_dim), dtype=acc_dtype)
+    part_max = query.new_empty((num_rows, num_heads, num_splits), dtype=acc_dtype)
     return part_out, part_max, torch.empty_like(part_max)
 
 

@@ -15,9 +15,13 @@ prefix-cache hits correct). Softmax is online, in fp32 (fp64 for fp64 inputs), i
 log2 domain.
 
 The same kernel runs in two program mappings (compile-time SINGLE_QUERY):
-- single-query rows (decodes): program = (request, kv head, split). The context of a
-  request is cut into NUM_SPLITS ranges so that batch 1 x 32k still fills the GPU; each
-  split writes an unnormalised partial and `reduce_splits_kernel` merges them.
+- split-KV rows of exactly BLOCK_Q query tokens: program = (request, kv head, split).
+  BLOCK_Q is 1 for decodes, and 1 + k for the rows of a uniform speculative verify (every
+  row the same short length), whose few tokens fit one program's tile as a decode's
+  GROUP heads do. The context of a request is cut into NUM_SPLITS ranges so that batch
+  1 x 32k still fills the GPU; each split writes an unnormalised partial per (query
+  token, head) and `reduce_splits_kernel` merges them. (The name: the mapping began with
+  decodes alone.)
 - multi-query rows (prefill chunks): program = (query tile, kv head). Tile t belongs to
   the request r with first_tile(r) <= t < first_tile(r + 1), where
   first_tile(r) = query_start_loc[r] // BLOCK_Q + r; found by binary search. The sum of
@@ -134,9 +138,9 @@ def paged_attention_kernel(
     block_table_ptr,  # int32 [R, max_blocks_per_req]
     seq_lens_ptr,  # int32 [R]
     query_start_loc_ptr,  # int32 [R + 1]
-    part_out_ptr,  # fp32 [R, H, NUM_SPLITS, D]: unnormalised split outputs
-    part_max_ptr,  # fp32 [R, H, NUM_SPLITS]: running max, log2 domain
-    part_sum_ptr,  # fp32 [R, H, NUM_SPLITS]: softmax denominators
+    part_out_ptr,  # fp32 [R * BLOCK_Q, H, NUM_SPLITS, D]: unnormalised split outputs
+    part_max_ptr,  # fp32 [R * BLOCK_Q, H, NUM_SPLITS]: running max, log2 domain
+    part_sum_ptr,  # fp32 [R * BLOCK_Q, H, NUM_SPLITS]: softmax denominators
     qk_scale,  # softmax scale * log2(e)
     num_reqs,  # R (padded)
     stride_ot, stride_oh, stride_od,
@@ -188,8 +192,9 @@ def paged_attention_kernel(
         tile_hi = num_tiles
 
     if SINGLE_QUERY:
-        # Multi-token rows belong to the other mapping; padded rows (q_len 0) exit here.
-        skip = q_len != 1
+        # Rows of another length belong to the other mapping; padded rows (q_len 0) exit
+        # here.
+        skip = q_len != BLOCK_Q
     else:
         skip = (q_len < MIN_QUERY_LEN) | (q_tile_start >= q_len)
     # Splits past the end of a short context have nothing to read (the reduce skips them).
@@ -238,7 +243,8 @@ def paged_attention_kernel(
             mask=q_mask,
         )
     else:
-        part = (req.to(tl.int64) * num_heads + head) * NUM_SPLITS + split  # [BLOCK_M]
+        # [BLOCK_M]: one partial per (query token of the row, head, split)
+        part = ((req.to(tl.int64) * BLOCK_Q + q_pos) * num_heads + head) * NUM_SPLITS + split
         tl.store(part_out_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=q_mask)
         tl.store(part_max_ptr + part, m_i, mask=row_valid)
         tl.store(part_sum_ptr + part, l_i, mask=row_valid)
@@ -247,9 +253,9 @@ def paged_attention_kernel(
 @triton.jit
 def reduce_splits_kernel(
     output_ptr,  # [T, H, D]
-    part_out_ptr,  # fp32 [R, H, NUM_SPLITS, D]
-    part_max_ptr,  # fp32 [R, H, NUM_SPLITS]
-    part_sum_ptr,  # fp32 [R, H, NUM_SPLITS]
+    part_out_ptr,  # fp32 [R * QUERY_LEN, H, NUM_SPLITS, D]
+    part_max_ptr,  # fp32 [R * QUERY_LEN, H, NUM_SPLITS]
+    part_sum_ptr,  # fp32 [R * QUERY_LEN, H, NUM_SPLITS]
     seq_lens_ptr,  # int32 [R]
     query_start_loc_ptr,  # int32 [R + 1]
     stride_ot, stride_oh, stride_od,
@@ -260,8 +266,11 @@ def reduce_splits_kernel(
     BLOCK_S: tl.constexpr,  # NUM_SPLITS rounded up to a power of 2
     MIN_TILES_PER_SPLIT: tl.constexpr,
     USE_PDL: tl.constexpr = False,  # launched with programmatic dependent launch (sm_90+)
+    QUERY_LEN: tl.constexpr = 1,  # the split rows' query length (the kernel's BLOCK_Q)
 ):
-    req = tl.program_id(0)
+    # program (req * QUERY_LEN + query token, head)
+    req = tl.program_id(0) // QUERY_LEN
+    q_pos = tl.program_id(0) % QUERY_LEN
     head = tl.program_id(1)
     num_heads = tl.num_programs(1)
     # The step's metadata, written before the forward began: read before the wait.
@@ -270,16 +279,18 @@ def reduce_splits_kernel(
     seq_len = tl.load(seq_lens_ptr + req)
     if USE_PDL:  # launched while the attention kernel that wrote the partials drains
         pdl_wait_and_release()
-    # Only single-query rows were split; padded rows (q_len 0) are never written.
-    if (q_len != 1) | (seq_len <= 0):
+    # Only rows of QUERY_LEN tokens were split; padded rows (q_len 0) are never written.
+    if (q_len != QUERY_LEN) | (seq_len <= 0):
         return
+    # The split program's key range: every token of the row up to seq_len (a token's
+    # keys past its causal limit left its partials at max -inf, sum 0: weight 0 here).
     num_tiles = tl.cdiv(seq_len, TILE_N)
     num_used = tl.cdiv(num_tiles, tiles_per_split(num_tiles, NUM_SPLITS, MIN_TILES_PER_SPLIT))
 
     offs_s = tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, BLOCK_D)
     s_valid = offs_s < num_used
-    part = (req.to(tl.int64) * num_heads + head) * NUM_SPLITS + offs_s
+    part = ((req.to(tl.int64) * QUERY_LEN + q_pos) * num_heads + head) * NUM_SPLITS + offs_s
     m = tl.load(part_max_ptr + part, mask=s_valid, other=float("-inf"))
     lsum = tl.load(part_sum_ptr + part, mask=s_valid, other=0.0)
     weight = tl.where(s_valid, tl.math.exp2(m - tl.max(m, 0)), 0.0)
@@ -290,7 +301,8 @@ def reduce_splits_kernel(
     )
     out = tl.sum(acc * weight[:, None], 0) / denom
     tl.store(
-        output_ptr + q_start.to(tl.int64) * stride_ot + head * stride_oh + offs_d * stride_od,
+        output_ptr + (q_start + q_pos).to(tl.int64) * stride_ot + head * stride_oh
+        + offs_d * stride_od,
         out.to(output_ptr.dtype.element_ty),
         mask=offs_d < HEAD_DIM,
     )

@@ -56,6 +56,7 @@ from shared.model.kernels.gemv_tiles import (
     first_weights_then_wait,
     fma_buffered,
     fma_row_sums,
+    fma_rows,
     program_rows,
     weight_tile,
     x_tile_dot,
@@ -71,8 +72,16 @@ from shared.runtime.triton_utils import pdl_launch, tl, triton
 
 _EPILOGUES = {"none": 0, "residual": 1, "silu": 2, "rope": 3}
 _CONFIG_FILE = Path(__file__).with_name("gemv_configs.json")
-# (BLOCK_N, BLOCK_K, num_warps, num_stages, kernel) when the table has no entry
+# (BLOCK_N, BLOCK_K, num_warps, num_stages, kernel) when the table has no entry: one
+# token row, and more (the tensor-core kernel, the fastest of every kernel at 4 rows on
+# each llama-3-8b shape on the H100: docs/results/README.md, GEMVs; the multi-row FMA
+# kernel with the one-row default tile spills its accumulators)
 _DEFAULT_CONFIG = (16, 512, 4, 3, 0)
+_DEFAULT_ROWS_CONFIG = (64, 256, 4, 3, 1)
+# Token rows up to which the FMA kernel keeps one accumulator per row and streams the
+# weights once (gemv_tiles.fma_rows); its registers grow with the rows.
+MAX_FMA_ROWS = 8
+_MAX_FMA_ROWS = tl.constexpr(MAX_FMA_ROWS)  # a kernel reads globals only as constexpr
 
 
 def use_gemv(x: torch.Tensor) -> bool:
@@ -107,7 +116,7 @@ def _gemv_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     USE_DOT: tl.constexpr,  # tensor-core dot over the tokens padded to BLOCK_M, else FMAs
-    BLOCK_M: tl.constexpr,  # USE_DOT: M rounded up to a power of two >= 16
+    BLOCK_M: tl.constexpr,  # USE_DOT: M rounded up to a power of two >= 16; FMA: to one >= M
     IEEE: tl.constexpr,  # USE_DOT on float32: exact products, not TF32
     HAS_BIAS: tl.constexpr,
     HAS_NORM: tl.constexpr,
@@ -165,9 +174,14 @@ def _gemv_kernel(
                      positions_ptr, cos_sin_ptr, rows_a, rows_b, row_mask, head, dims,
                      stride_r, stride_o, stride_cs, eps, K, BLOCK_K, HAS_BIAS,
                      HAS_NORM, EPILOGUE, HEAD_DIM, NUM_ROPE_HEADS, USE_PDL)
+    elif M > 1 and M <= _MAX_FMA_ROWS:
+        fma_rows(x_ptr, w_a, w_b, norm_w_ptr, bias_ptr, residual_ptr, out_ptr,
+                 positions_ptr, cos_sin_ptr, rows_a, rows_b, row_mask, head, dims,
+                 stride_x, stride_r, stride_o, stride_cs, eps, K, BLOCK_K, M,
+                 BLOCK_M, HAS_BIAS, HAS_NORM, EPILOGUE, HEAD_DIM, NUM_ROPE_HEADS, USE_PDL)
     else:
-        # FMAs per token: the weight tile is re-read (from L2) for every token after the
-        # first, so this is for M = 1.
+        # FMAs per token: M = 1 (the tuned batch-1 path), or more rows than fma_rows keeps
+        # accumulators for, where the weight tile is re-read (from L2) for every token.
         for m in tl.static_range(M):
             acc_a = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
             acc_b = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
@@ -217,6 +231,22 @@ def config_key(epilogue: str, has_norm: bool, rows: int, k: int, m: int,
     return f"{epilogue}{'+norm' if has_norm else ''}:{rows}x{k}:m{m}:{str(dtype)[6:]}"
 
 
+def table_config(table: dict[str, list[int]], key: str) -> tuple[int, ...]:
+    """The table's config for `key`; for a row count above one that it lacks, the config
+    of the most rows below it, above one, that it has for the same shape and dtype (never
+    the one-row tile: tuned for the FMA kernels at one row); else the default."""
+    if key in table:
+        return tuple(table[key])
+    shape, rows, dtype = key.rsplit(":", 2)  # config_key's layout
+    if int(rows[1:]) == 1:
+        return _DEFAULT_CONFIG
+    for fewer in range(int(rows[1:]) - 1, 1, -1):
+        found = table.get(f"{shape}:m{fewer}:{dtype}")
+        if found is not None:
+            return tuple(found)
+    return _DEFAULT_ROWS_CONFIG
+
+
 def _config_for(x: torch.Tensor, key: str, override) -> tuple[int, int, int, int, int, int]:
     if override is None:
         override = kernel_options().gemv_config(key)  # a benchmark's or tuner's choice
@@ -225,8 +255,7 @@ def _config_for(x: torch.Tensor, key: str, override) -> tuple[int, int, int, int
     elif not x.is_cuda:
         config = _DEFAULT_CONFIG
     else:
-        table = _config_table(_device_name(x.device.index or 0))
-        config = tuple(table.get(key, _DEFAULT_CONFIG))
+        config = table_config(_config_table(_device_name(x.device.index or 0)), key)
     config = config + (0,) * (5 - len(config))  # 4-tuples: the FMA kernel
     config = config + (1,) * (6 - len(config))
     if config[4] not in (0, 1, 2) or config[5] != 1:
@@ -296,7 +325,9 @@ def gemv(
         eps,
         K=k, M=num_tokens, BLOCK_N=block_n, BLOCK_K=block_k, USE_DOT=use_dot,
         BUFFERED_FMA=buffered_fma,
-        BLOCK_M=max(16, triton.next_power_of_2(num_tokens)), IEEE=x.dtype == torch.float32,
+        BLOCK_M=(max(16, triton.next_power_of_2(num_tokens)) if use_dot
+                 else triton.next_power_of_2(num_tokens)),
+        IEEE=x.dtype == torch.float32,
         HAS_BIAS=bias is not None, HAS_NORM=norm_weight is not None,
         EPILOGUE=_EPILOGUES[epilogue], HEAD_DIM=head_dim, NUM_ROPE_HEADS=num_rope_heads,
         **extra,

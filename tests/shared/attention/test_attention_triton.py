@@ -194,3 +194,57 @@ def test_layers_of_one_step_share_a_launch_plan():
     strided = query.transpose(0, 1).contiguous().transpose(0, 1)  # same values, other strides
     with pytest.raises(AssertionError, match="layout"):
         impl.forward(strided, *caches, metadata, torch.empty_like(strided))
+
+
+def _plan_of(batch, num_heads, num_kv_heads, head_dim, num_splits=None):
+    """The launch plan the TRITON backend builds for `batch` (one layer's forward)."""
+    backend = TritonBackend(num_splits=num_splits)
+    metadata = backend.make_builder(batch.query.device).build(batch.common)
+    impl = backend.make_impl(num_heads, head_dim, num_kv_heads, head_dim**-0.5)
+    impl.forward(batch.query, batch.key_cache, batch.value_cache, metadata,
+                 torch.empty_like(batch.query))
+    (plan,) = metadata.plans.values()
+    return plan
+
+
+@pytest.mark.parametrize("query_len,num_splits,num_heads", [
+    (2, 4, 4), (4, None, 4), (4, 3, 4), (5, 2, 4), (4, 4, 8)])
+def test_uniform_verify_rows_split_the_kv(query_len, num_splits, num_heads):
+    """A speculative verify: every real row has the same short query length (1 + k). The
+    split mapping takes the rows whole (their tokens x GROUP heads in one tile, a partial
+    per token and split, one reduction program per token): equal to the oracle for a
+    context over every split, a short one that leaves splits empty, a row whose whole
+    context is its query (its early tokens see no key of the later splits), padded rows
+    and tokens; and the multi-query mapping does not run."""
+    query_lens = [query_len] * 4
+    seq_lens = [600, 37 + query_len, 150, query_len]
+    compare(query_lens, seq_lens, num_heads=num_heads, num_splits=num_splits, pad_reqs=2,
+            pad_tokens=3)
+    batch = make_batch(query_lens, seq_lens, num_heads, 2, 32, 8, pad_reqs=2, pad_tokens=3)
+    plan = _plan_of(batch, num_heads, 2, 32, num_splits)
+    assert plan.multi is None and plan.single.kwargs["BLOCK_Q"] == query_len
+    splits = plan.single.grid[2]
+    assert (plan.reduce is None) == (splits == 1)
+    if splits > 1:  # one reduction program per (padded row, token) and head
+        assert plan.reduce.grid[:2] == (6 * query_len, num_heads)
+
+
+@pytest.mark.parametrize("query_lens,num_heads", [
+    ([4, 4, 3], 4),  # rows of unequal length: not a uniform verify
+    ([4, 0, 4], 4),  # a real row without tokens (a cached context): not uniform either
+    ([20, 20], 8),  # 20 tokens x GROUP 4 past the tile: the multi-query mapping
+])
+def test_other_batches_keep_the_multi_query_mapping(query_lens, num_heads):
+    seq_lens = [q + 40 for q in query_lens]
+    compare(query_lens, seq_lens, num_heads=num_heads, num_splits=4)
+    batch = make_batch(query_lens, seq_lens, num_heads, 2, 32, 8, pad_reqs=1)
+    assert _plan_of(batch, num_heads, 2, 32, 4).multi is not None
+
+
+def test_batch_invariant_mode_keeps_verify_rows_on_the_multi_query_mapping(kernel_opts):
+    """Batch-invariant mode needs a token's result to be the same in a verify, a prefill
+    chunk or a decode: one mapping config and no splits, so no split mapping of verify
+    rows."""
+    kernel_opts(batch_invariant=True)
+    batch = make_batch([3, 3], [40, 9], 4, 2, 32, 8, pad_reqs=1)
+    assert _plan_of(batch, 4, 2, 32).multi is not None

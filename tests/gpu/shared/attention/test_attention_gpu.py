@@ -1,9 +1,9 @@
 """GPU checks of the attention backends and the KV write (run on the H200).
 
-TRITON against the TORCH oracle on large ragged batches in bf16 and fp32, the Triton KV
-write with PAD slots against the PyTorch write, a CUDA-graph capture of the decode path
-replayed with other seq_lens / block tables / real-row counts, and FLASH_ATTN when
-flash-attn is importable.
+TRITON against the TORCH oracle on large ragged batches and uniform verify batches in bf16
+and fp32, the Triton KV write with PAD slots against the PyTorch write, a CUDA-graph
+capture of the decode path replayed with other seq_lens / block tables / real-row counts,
+and FLASH_ATTN when flash-attn is importable.
 """
 
 from __future__ import annotations
@@ -74,6 +74,17 @@ def test_triton_decode_split_kv(num_reqs, ctx):
                        dtype=torch.bfloat16, device="cuda", pad_reqs=1, pad_tokens=1)
     got = check(batch, 32, 128, 8, torch.bfloat16)
     assert got[num_reqs:].isnan().all()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("num_reqs,query_len,ctx", [(1, 4, 1024), (4, 5, 20000), (64, 2, 1024)])
+def test_triton_uniform_verify_split_kv(num_reqs, query_len, ctx, dtype):
+    # a speculative verify: every row 1 + k tokens, the split mapping over the KV
+    seq_lens = [ctx - (7 * i) % 512 for i in range(num_reqs)]
+    batch = make_batch([query_len] * num_reqs, seq_lens, 32, 8, 128, 16, dtype=dtype,
+                       device="cuda", pad_reqs=1, pad_tokens=1)
+    got = check(batch, 32, 128, 8, dtype)
+    assert got[batch.num_actual_tokens:].isnan().all()
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])

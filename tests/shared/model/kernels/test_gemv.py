@@ -55,10 +55,12 @@ CONFIGS_SMALL = [(8, 128, 4, 2, 0), (4, 64, 2, 3, 0), (16, 512, 4, 2, 0), (16, 6
                  (32, 128, 4, 2, 1), (8, 64, 4, 1, 2), (4, 128, 2, 1, 2), (16, 64, 4, 2, 1, 1)]
 
 
-@pytest.mark.parametrize("m", [1, 3, 17])
+@pytest.mark.parametrize("m", [1, 3, gemv.MAX_FMA_ROWS, gemv.MAX_FMA_ROWS + 1, 17])
 @pytest.mark.parametrize("config", CONFIGS_SMALL)
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_plain_and_residual(m, config, with_bias):
+    """FMA configs: one token row; 2..MAX_FMA_ROWS rows through the weights once (one
+    accumulator per row); more rows one at a time."""
     rows, k = 37, 300
     x, w = _randn(m, k, seed=1), _randn(rows, k, seed=2, scale=0.1)
     bias = _randn(rows, seed=3) if with_bias else None
@@ -196,3 +198,20 @@ def test_config_table_is_well_formed():
                 gemv.config_key("residual", False, 4096, 14336, 1, bf16),
                 gemv.config_key("none", False, 128256, 4096, 1, bf16)]:
         assert key in table, key
+
+
+def test_table_config_falls_back_to_fewer_rows():
+    """A row count above one that the table lacks takes the tuned config of the most rows
+    below it, above one, for the same shape and dtype; never the one-row tile; nothing
+    there: the default for its row count."""
+    bf16, f32 = torch.bfloat16, torch.float32
+    key = lambda m, dtype=bf16, rows=64: gemv.config_key("silu", True, rows, 32, m, dtype)  # noqa: E731
+    table = {key(1): [8, 128, 4, 1, 2, 1], key(3): [16, 64, 4, 2, 1],
+             key(2, f32): [4, 32, 2, 1, 0]}
+    assert gemv.table_config(table, key(1)) == (8, 128, 4, 1, 2, 1)
+    assert gemv.table_config(table, key(2)) == gemv._DEFAULT_ROWS_CONFIG
+    assert gemv.table_config(table, key(3)) == (16, 64, 4, 2, 1)
+    assert gemv.table_config(table, key(7)) == (16, 64, 4, 2, 1)
+    assert gemv.table_config(table, key(5, f32)) == (4, 32, 2, 1, 0)
+    assert gemv.table_config(table, key(1, f32)) == gemv._DEFAULT_CONFIG
+    assert gemv.table_config(table, key(2, rows=128)) == gemv._DEFAULT_ROWS_CONFIG

@@ -1,7 +1,8 @@
-"""Small-batch fused GEMVs on the GPU (GPU machine only): llama-3-8b / qwen3-0.6b shapes in
-bf16 and float32 against PyTorch oracles, the tensor-core kernel up to 16 token rows, and
-a layer's GEMV chain captured in a CUDA graph with programmatic dependent launch. The CPU
-side, and the oracles used here, are in tests/shared/model/kernels/test_gemv.py.
+"""Small-batch fused GEMVs on the GPU (GPU machine only): llama-3-8b / qwen3-0.6b shapes
+(1 and 4 token rows) in bf16 and float32 against PyTorch oracles, the tensor-core kernel
+up to 16 token rows, and a layer's GEMV chain captured in a CUDA graph with programmatic
+dependent launch. The CPU side, and the oracles used here, are in
+tests/shared/model/kernels/test_gemv.py.
 """
 
 from __future__ import annotations
@@ -23,11 +24,14 @@ GPU_SHAPES = [  # (name, rows, K, epilogue, head_dim)
 ]
 
 
+@pytest.mark.parametrize("m", [1, 4])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("name,rows,k,epilogue,head_dim", GPU_SHAPES)
-def test_gpu_shapes(name, rows, k, epilogue, head_dim, dtype):
+def test_gpu_shapes(name, rows, k, epilogue, head_dim, dtype, m):
+    """The table's configs; m = 4 (a k = 3 verify): its own entry, or the M = 1 tile
+    through the multi-row FMA kernel."""
     dev = "cuda"
-    x = _randn(1, k, seed=1, dtype=dtype, device=dev)
+    x = _randn(m, k, seed=1, dtype=dtype, device=dev)
     w = _randn(rows, k, seed=2, dtype=dtype, device=dev, scale=k**-0.5)
     g = (1.0 + 0.1 * _randn(k, seed=3)).to(dtype).to(dev)
     kw = {"norm_weight": g, "eps": 1e-5} if epilogue in ("rope", "silu") else {}
@@ -36,7 +40,7 @@ def test_gpu_shapes(name, rows, k, epilogue, head_dim, dtype):
     if epilogue == "rope":
         rope = RotaryEmbedding(head_dim, head_dim, 2048, {"rope_type": "default",
                                                           "rope_theta": 5e5}).to(dev)
-        pos = torch.tensor([1000], device=dev)
+        pos = torch.arange(1000, 1000 + m, device=dev)
         kw.update(positions=pos, cos_sin_cache=rope.cos_sin_cache, head_dim=head_dim,
                   num_rope_heads=40)
         ref = _rope_ref(ref, pos, rope.cos_sin_cache, 32, 8, head_dim)
@@ -44,7 +48,7 @@ def test_gpu_shapes(name, rows, k, epilogue, head_dim, dtype):
         gate, up = ref.chunk(2, dim=-1)
         ref = F.silu(gate) * up
     elif epilogue == "residual":
-        r = _randn(1, rows, seed=4, dtype=dtype, device=dev)
+        r = _randn(m, rows, seed=4, dtype=dtype, device=dev)
         kw["residual"] = r
         ref = ref + r.float()
     got = gemv.gemv(x, w, epilogue=epilogue, **kw).float()
