@@ -52,11 +52,11 @@ class KernelOptions(BaseModel):
         None, ge=1, description="KV splits of every decode launch; None: by batch and SM "
                                 "count (benchmarks)")
     repeat_launches: bool = Field(
-        False, description="a kernel launched once per layer with the same arguments but "
-                           "the layer's tensors (the eager attention of a piecewise step) "
-                           "launches its compiled kernel directly after the first layer "
-                           "(shared/runtime/triton_launch.py); False: Triton's dispatch every "
-                           "time. Off until it has been measured and tested on a GPU")
+        True, description="a kernel launched once per layer with the same arguments but "
+                          "the layer's tensors (the eager attention of a piecewise step) "
+                          "launches its compiled kernel directly after the first layer "
+                          "(shared/runtime/triton_launch.py); False: Triton's dispatch every "
+                          "time (benchmarks: docs/results/README.md, mixed steps)")
     nvtx: bool = Field(False, description="NVTX ranges around each runner stage")
     batch_invariant: bool = Field(
         False, description="every kernel on the step's path computes a row with a reduction "

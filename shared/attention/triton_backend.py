@@ -11,7 +11,7 @@ Each row is therefore handled by exactly one mapping whatever num_decodes says.
   runs the split mapping alone over rows of q tokens, where q x GROUP heads fit one
   program's tile (splits_query_rows): the multi-query mapping gives such a batch one
   program per (request, KV head), which left a batch-1 verify at 1024 keys latency-bound
-  on a handful of SMs (docs/results/README.md, speculative decoding).
+  on a handful of SMs (docs/results/raw/a5e84ee/h100_profile_spec_before.log).
 
 CUDA-graph rule: a uniform-decode batch (max_query_len == 1) always launches exactly the
 single-query program (+ its split reduction), with a grid fixed by the padded row count

@@ -56,7 +56,6 @@ from shared.model.kernels.gemv_tiles import (
     first_weights_then_wait,
     fma_buffered,
     fma_row_sums,
-    fma_rows,
     program_rows,
     weight_tile,
     x_tile_dot,
@@ -73,15 +72,11 @@ from shared.runtime.triton_utils import pdl_launch, tl, triton
 _EPILOGUES = {"none": 0, "residual": 1, "silu": 2, "rope": 3}
 _CONFIG_FILE = Path(__file__).with_name("gemv_configs.json")
 # (BLOCK_N, BLOCK_K, num_warps, num_stages, kernel) when the table has no entry: one
-# token row, and more (the tensor-core kernel, the fastest of every kernel at 4 rows on
-# each llama-3-8b shape on the H100: docs/results/README.md, GEMVs; the multi-row FMA
-# kernel with the one-row default tile spills its accumulators)
+# token row, and more: the tensor-core kernel, which reads the weights once for all rows
+# and was the fastest kernel at 4 rows on every llama-3-8b shape
+# (docs/results/raw/a5e84ee/h100_gemv_m4.log); the FMA kernel reads them once per row.
 _DEFAULT_CONFIG = (16, 512, 4, 3, 0)
 _DEFAULT_ROWS_CONFIG = (64, 256, 4, 3, 1)
-# Token rows up to which the FMA kernel keeps one accumulator per row and streams the
-# weights once (gemv_tiles.fma_rows); its registers grow with the rows.
-MAX_FMA_ROWS = 8
-_MAX_FMA_ROWS = tl.constexpr(MAX_FMA_ROWS)  # a kernel reads globals only as constexpr
 
 
 def use_gemv(x: torch.Tensor) -> bool:
@@ -116,7 +111,7 @@ def _gemv_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     USE_DOT: tl.constexpr,  # tensor-core dot over the tokens padded to BLOCK_M, else FMAs
-    BLOCK_M: tl.constexpr,  # USE_DOT: M rounded up to a power of two >= 16; FMA: to one >= M
+    BLOCK_M: tl.constexpr,  # USE_DOT: M rounded up to a power of two >= 16
     IEEE: tl.constexpr,  # USE_DOT on float32: exact products, not TF32
     HAS_BIAS: tl.constexpr,
     HAS_NORM: tl.constexpr,
@@ -174,14 +169,11 @@ def _gemv_kernel(
                      positions_ptr, cos_sin_ptr, rows_a, rows_b, row_mask, head, dims,
                      stride_r, stride_o, stride_cs, eps, K, BLOCK_K, HAS_BIAS,
                      HAS_NORM, EPILOGUE, HEAD_DIM, NUM_ROPE_HEADS, USE_PDL)
-    elif M > 1 and M <= _MAX_FMA_ROWS:
-        fma_rows(x_ptr, w_a, w_b, norm_w_ptr, bias_ptr, residual_ptr, out_ptr,
-                 positions_ptr, cos_sin_ptr, rows_a, rows_b, row_mask, head, dims,
-                 stride_x, stride_r, stride_o, stride_cs, eps, K, BLOCK_K, M,
-                 BLOCK_M, HAS_BIAS, HAS_NORM, EPILOGUE, HEAD_DIM, NUM_ROPE_HEADS, USE_PDL)
     else:
-        # FMAs per token: M = 1 (the tuned batch-1 path), or more rows than fma_rows keeps
-        # accumulators for, where the weight tile is re-read (from L2) for every token.
+        # FMAs per token: the weight tile is re-read (from L2) for every token after the
+        # first, so this is for M = 1. (Keeping one accumulator per token row instead, and
+        # the weights streamed once, lost to the dot kernel on every llama-3-8b shape at 4
+        # rows: docs/journal/2026-12-07-verify-attention-and-kept-launches.md.)
         for m in tl.static_range(M):
             acc_a = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
             acc_b = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
@@ -325,9 +317,7 @@ def gemv(
         eps,
         K=k, M=num_tokens, BLOCK_N=block_n, BLOCK_K=block_k, USE_DOT=use_dot,
         BUFFERED_FMA=buffered_fma,
-        BLOCK_M=(max(16, triton.next_power_of_2(num_tokens)) if use_dot
-                 else triton.next_power_of_2(num_tokens)),
-        IEEE=x.dtype == torch.float32,
+        BLOCK_M=max(16, triton.next_power_of_2(num_tokens)), IEEE=x.dtype == torch.float32,
         HAS_BIAS=bias is not None, HAS_NORM=norm_weight is not None,
         EPILOGUE=_EPILOGUES[epilogue], HEAD_DIM=head_dim, NUM_ROPE_HEADS=num_rope_heads,
         **extra,

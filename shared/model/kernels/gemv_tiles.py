@@ -101,61 +101,6 @@ def fma_buffered(x_ptr, w_a, w_b, norm_w_ptr, bias_ptr, residual_ptr, out_ptr,
 
 
 @triton.jit
-def fma_rows(x_ptr, w_a, w_b, norm_w_ptr, bias_ptr, residual_ptr, out_ptr,
-             positions_ptr, cos_sin_ptr, rows_a, rows_b, row_mask, head, dims,
-             stride_x, stride_r, stride_o, stride_cs, eps, K: tl.constexpr,
-             BLOCK_K: tl.constexpr, M: tl.constexpr, BLOCK_M: tl.constexpr,
-             HAS_BIAS: tl.constexpr, HAS_NORM: tl.constexpr, EPILOGUE: tl.constexpr,
-             HEAD_DIM: tl.constexpr, NUM_ROPE_HEADS: tl.constexpr, USE_PDL: tl.constexpr):
-    """The FMA kernel for a few token rows (a speculative verify's 1 + k, a draft's
-    catch-up): each weight tile is loaded once and multiplied into every row's
-    accumulator, [BLOCK_M, BLOCK_N, BLOCK_K] in float32, so the weights stream once
-    whatever M. (One loop per token would read them M times, M - 1 of them from L2 at
-    best: the 4-row verify took 3x cuBLAS's time that way,
-    docs/results/raw/0e98dc9/h200_profile_spec_variants.json.) Rows past M load zeros
-    and are never stored. The first tile is loaded before the PDL wait."""
-    PAIRED: tl.constexpr = EPILOGUE >= 2
-    BLOCK_N: tl.constexpr = rows_a.shape[0]
-    offs_m = tl.arange(0, BLOCK_M)
-    acc_a = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
-    acc_b = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
-    sum_sq = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)
-    start = 0
-    if USE_PDL:
-        cols, col_mask, wa, wb = first_weights_then_wait(w_a, w_b, row_mask, K, BLOCK_K,
-                                                         PAIRED)
-        x, sum_sq = x_rows_fma(x_ptr, norm_w_ptr, offs_m, stride_x, cols, col_mask, sum_sq,
-                               M, HAS_NORM)
-        acc_a += wa.to(tl.float32)[None, :, :] * x[:, None, :]
-        if PAIRED:
-            acc_b += wb.to(tl.float32)[None, :, :] * x[:, None, :]
-        start = BLOCK_K
-    for k0 in range(start, K, BLOCK_K):
-        cols = k0 + tl.arange(0, BLOCK_K)
-        col_mask = cols < K
-        x, sum_sq = x_rows_fma(x_ptr, norm_w_ptr, offs_m, stride_x, cols, col_mask, sum_sq,
-                               M, HAS_NORM)
-        acc_a += weight_tile(w_a, cols, row_mask, col_mask).to(tl.float32)[None, :, :] \
-            * x[:, None, :]
-        if PAIRED:
-            acc_b += weight_tile(w_b, cols, row_mask, col_mask).to(tl.float32)[None, :, :] \
-                * x[:, None, :]
-    y_a = tl.sum(acc_a, axis=2)  # [BLOCK_M, BLOCK_N]
-    y_b = tl.sum(acc_b, axis=2)
-    if HAS_NORM:
-        rstd = tl.math.rsqrt(tl.sum(sum_sq, axis=1) / K + eps)  # [BLOCK_M]
-        y_a = y_a * rstd[:, None]
-        y_b = y_b * rstd[:, None]
-    for m in tl.static_range(M):
-        pick = offs_m[:, None] == m  # row m alone: the other rows add exact zeros
-        apply_epilogue(tl.sum(tl.where(pick, y_a, 0.0), axis=0),
-                       tl.sum(tl.where(pick, y_b, 0.0), axis=0), m, rows_a, rows_b,
-                       row_mask, head, dims, bias_ptr, residual_ptr, out_ptr, positions_ptr,
-                       cos_sin_ptr, stride_r, stride_o, stride_cs, HAS_BIAS, EPILOGUE,
-                       HEAD_DIM, NUM_ROPE_HEADS)
-
-
-@triton.jit
 def fma_row_sums(acc_a, acc_b, sum_sq, eps, K: tl.constexpr, HAS_NORM: tl.constexpr):
     """The FMA kernels' [BLOCK_N, BLOCK_K] accumulators -> each row's dot product, scaled
     by the input's rstd under NORM."""
@@ -210,19 +155,6 @@ def x_tile_fma(x_row, norm_w_ptr, cols, col_mask, sum_sq, HAS_NORM: tl.constexpr
     if HAS_NORM:
         sum_sq += x * x
         x = x * tl.load(norm_w_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
-    return x, sum_sq
-
-
-@triton.jit
-def x_rows_fma(x_ptr, norm_w_ptr, offs_m, stride_x, cols, col_mask, sum_sq, M: tl.constexpr,
-               HAS_NORM: tl.constexpr):
-    """[BLOCK_M, len(cols)] of the token rows in float32 (rows past M are 0), times the norm
-    weight; sum x^2 per row accumulates in sum_sq [BLOCK_M, len(cols)]."""
-    x = tl.load(x_ptr + offs_m[:, None] * stride_x + cols[None, :],
-                mask=(offs_m < M)[:, None] & col_mask[None, :], other=0.0).to(tl.float32)
-    if HAS_NORM:
-        sum_sq += x * x
-        x = x * tl.load(norm_w_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
     return x, sum_sq
 
 
