@@ -208,8 +208,8 @@ def main() -> int:
         for shape in shapes:
             rows.append(bench_shape(*shape, m, bw))
             torch.cuda.empty_cache()  # the last shape's weight copies
-    if args.configs_out:  # now, not at the end: a run cut short keeps its tuned table
-        merge_configs(args.configs_out, gpu, {r["key"]: r["fused"]["config"] for r in rows})
+            if args.configs_out:  # after each shape: a run cut short keeps what it tuned
+                merge_configs(args.configs_out, gpu, {rows[-1]["key"]: rows[-1]["fused"]["config"]})
     if args.token_rows:
         # More token rows, tensor-core kernel with the best M=1 dot config: where the GEMV
         # path stops paying against cuBLAS (MAX_TOKENS).
