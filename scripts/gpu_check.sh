@@ -2,7 +2,7 @@
 # The GPU machine's one entry point: install what the image lacks from carried wheels,
 # run the gpu-marked tests, run the benchmarks, write everything under $OUT.
 #
-#   scripts/gpu_check.sh [gemv|tune|tests|boundary|attention|decode|profile|ab|ab_async|ab_embed|spec|ab_spec|builtins|sample_host|mixed|bi|bi_tests|bi_bench|ab_bi|serve|gguf_part0|ngram|hf|all]...
+#   scripts/gpu_check.sh [gemv|tune|tests|boundary|attention|decode|profile|ab|ab_async|ab_embed|spec|ab_spec|builtins|sample_host|mixed|host_waits|bi|bi_tests|bi_bench|ab_bi|serve|gguf_part0|ngram|hf|all]...
 #
 # Stages run in the order of this file, whatever the order of the arguments. gemv and tune
 # write a GEMV launch table to $OUT/gemv_configs.json (gemv per shape, tune llama-3-8b's
@@ -131,6 +131,17 @@ if want mixed; then
   done
   python3 scripts/bench_attention_host.py --out "$OUT/attn_host.json" 2>&1
   # (no .log files: with gpu.txt that is the device tool's 8 files; the JSONs hold it all)
+fi
+if want host_waits; then
+  # issue 21: where each runner's host blocks on the GPU inside its steps, async loop:
+  # churn (V1's preprocess was as long as the forward there on the H100) and decode at
+  # batch 1 and 1024 (V1's b1024 steady step was 2.7x its forward on the H200)
+  python3 scripts/profile_host_waits.py --workload churn --out "$OUT/host_waits_churn.json" \
+    2>&1 | grep -v "^INFO" | tee "$OUT/host_waits.log"
+  for b in 1 1024; do
+    python3 scripts/profile_host_waits.py --workload decode --batch $b \
+      --out "$OUT/host_waits_decode_b$b.json" 2>&1 | grep -v "^INFO" | tee -a "$OUT/host_waits.log"
+  done
 fi
 if want bi || want bi_tests; then
   # issue 26: the batch-invariant kernels' GPU tests, then V1 vs V2 vs solo bitwise over

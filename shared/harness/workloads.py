@@ -14,6 +14,7 @@ import time
 from dataclasses import dataclass
 
 import numpy as np
+import torch
 
 from shared.contract.sampling_params import RequestOutputKind, SamplingParams
 from shared.harness.measure import StepSamples, run_decode
@@ -92,7 +93,10 @@ THROUGHPUT_MAX_LEN = 2048
 
 def churn(engine: LLMEngine, live: int, steps: int, tag: str) -> RunResult:
     """Keep about `live` requests running; each lives 2-12 tokens, so every step some
-    finish (holes in V1, freed rows in V2) and new ones arrive."""
+    finish (holes in V1, freed rows in V2) and new ones arrive. `steps` steps with per-step
+    samples, then `steps` more timed as a run (steady_ms, as the decode workload's): the
+    samples read each step's CUDA events, which waits for that step's GPU work, so under
+    async scheduling only the run shows the host work overlapping the GPU's."""
     rng = random.Random(2)
     samples, tokens = StepSamples(), {}
     next_id = 0
@@ -106,18 +110,34 @@ def churn(engine: LLMEngine, live: int, steps: int, tag: str) -> RunResult:
         engine.add_request(f"{tag}{next_id}", prompt, params)
         next_id += 1
 
-    for _ in range(live):
-        add()
-    for _ in range(steps):
+    def top_up() -> None:
         while engine.get_num_unfinished_requests() < live:
             add()
+
+    top_up()
+    for _ in range(steps):
+        top_up()
         t0 = time.perf_counter()
         outs = engine.step()
         samples.add(engine, (time.perf_counter() - t0) * 1e3)
         for out in outs:
             tokens[out.request_id] = out.outputs[0].token_ids
+    sync(engine)
+    t0 = time.perf_counter()
+    for _ in range(steps):  # the arrivals between the steps are part of the run
+        top_up()
+        for out in engine.step():
+            tokens[out.request_id] = out.outputs[0].token_ids
+    sync(engine)
+    steady_ms = (time.perf_counter() - t0) * 1e3 / steps
     _drain(engine, None, tokens)
-    return RunResult(samples, tokens, {"requests": next_id})
+    return RunResult(samples, tokens, {"requests": next_id, "steady_ms": steady_ms})
+
+
+def sync(engine: LLMEngine) -> None:
+    """Wait for the engine's device work (a no-op off CUDA)."""
+    if engine.device.type == "cuda":
+        torch.cuda.synchronize(engine.device)
 
 
 def nano_vllm_workload(num_requests: int = 256, min_len: int = 100, max_len: int = 1024):

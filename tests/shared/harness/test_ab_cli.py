@@ -52,7 +52,10 @@ def test_ab_quick_writes_json_and_png(quick_run) -> None:
             assert stats["wall_ms"]["n"] == 2 * report["settings"]["steps"]  # A-B-B-A: 2 runs each
             for stage in ("preprocess", "forward", "postprocess", "sample"):
                 assert stats["stages_ms"][stage]["median"] > 0
-    assert "churn" in report["workloads"]
+    (churn,) = report["workloads"]["churn"]
+    for runner in ("v1", "v2"):  # the run timed without per-step event reads
+        assert churn[runner]["steady_ms"]["median"] > 0
+    assert any(line.split()[:2] == ["live4", "steady"] for line in out.splitlines())
     png = (path / "ab.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n"
     assert "V2/V1" in out and "tokens identical across runners: True" in out

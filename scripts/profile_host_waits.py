@@ -1,0 +1,128 @@
+"""Where each runner's host waits for the GPU inside its steps (GPU machine): a few steps
+of a workload under torch.profiler with the Python tracer, and every blocking CUDA
+runtime call charged to the line of the project's code that made it
+(shared/harness/host_waits.py), beside the steps' stage times.
+
+    python3 scripts/profile_host_waits.py [--model qwen3-0.6b] [--runners v1,v2]
+        [--workload churn|decode] [--live 64] [--batch 1024] [--steps 10] [--sync]
+        [--max-model-len 2048] [--out FILE]
+
+churn: about `live` requests of 2-12 tokens, new ones arriving every step (runnerlab ab's
+churn); decode: `batch` requests decoding together. Async scheduling unless --sync: with
+it a runner should never wait inside a step for the step before to finish. The Python
+tracer slows the host, so the stage times here are inflated; the waits are GPU time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import sys
+import tempfile
+
+import torch
+
+
+def build(args, runner: str):
+    from policy import EngineArgs
+    from shared.serving.engine import LLMEngine
+
+    rows = args.batch if args.workload == "decode" else 2 * args.live
+    return LLMEngine.from_engine_args(EngineArgs(
+        model=args.model, load_format="dummy", dtype=args.dtype, device=args.device, seed=0,
+        model_runner=runner, max_model_len=args.max_model_len, max_num_seqs=max(64, rows),
+        enable_prefix_caching=False, async_scheduling=not args.sync))
+
+
+def workload(engine, args):
+    """A step function that keeps the workload going (adds requests as it needs)."""
+    from shared.contract.sampling_params import SamplingParams
+    from shared.harness.workloads import CHURN_MAX_TOKENS, CHURN_PROMPT_LEN
+
+    rng = random.Random(2)
+    vocab = min(engine.vocab_size, 10000)
+    counter = iter(range(1 << 30))
+
+    def add(prompt_len: int, max_tokens: int) -> None:
+        engine.add_request(f"r{next(counter)}", [rng.randint(1, vocab - 1) for _ in range(prompt_len)],
+                           SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
+
+    if args.workload == "decode":
+        for _ in range(args.batch):
+            add(128, 100_000)
+
+        def step():
+            engine.step()
+    else:
+        def step():
+            while engine.get_num_unfinished_requests() < args.live:
+                add(rng.randint(*CHURN_PROMPT_LEN), rng.randint(*CHURN_MAX_TOKENS))
+            engine.step()
+    return step
+
+
+def profile_runner(args, runner: str) -> dict:
+    from shared.harness.ab_engines import free_engines
+    from shared.harness.host_waits import format_waits, host_waits
+
+    engine = build(args, runner)
+    step = workload(engine, args)
+    for _ in range(args.warmup):
+        step()
+    stages: dict[str, list[float]] = {}
+    acts = [torch.profiler.ProfilerActivity.CPU]
+    if args.device == "cuda":
+        acts.append(torch.profiler.ProfilerActivity.CUDA)
+        torch.cuda.synchronize()
+    with torch.profiler.profile(activities=acts, with_stack=True) as prof:
+        for _ in range(args.steps):
+            step()
+            for name, ms in engine.runner.step_stats.stage_ms.items():
+                stages.setdefault(name, []).append(ms)
+        if args.device == "cuda":
+            torch.cuda.synchronize()
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "trace.json")
+        prof.export_chrome_trace(path)
+        with open(path) as f:
+            events = json.load(f)["traceEvents"]
+    waits = host_waits(events, args.steps)
+    result = {"stage_ms_median": {k: statistics.median(v) for k, v in stages.items()},
+              "waits": [w.__dict__ for w in waits]}
+    print(f"== {runner} {args.workload} ({'sync' if args.sync else 'async'} loop), "
+          f"stage ms (median, tracer on): "
+          + ", ".join(f"{k} {v:.2f}" for k, v in result["stage_ms_median"].items()))
+    print(format_waits(waits), flush=True)
+    engines = {runner: engine}
+    del engine, step  # free_engines must hold the only reference
+    free_engines(engines)
+    return result
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="qwen3-0.6b")
+    p.add_argument("--runners", default="v1,v2")
+    p.add_argument("--workload", choices=["churn", "decode"], default="churn")
+    p.add_argument("--live", type=int, default=64)
+    p.add_argument("--batch", type=int, default=1024)
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--warmup", type=int, default=30)
+    p.add_argument("--sync", action="store_true", help="the synchronous engine loop")
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--max-model-len", type=int, default=2048)
+    p.add_argument("--out", default=None)
+    args = p.parse_args()
+    results = {r: profile_runner(args, r) for r in args.runners.split(",")}
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"args": vars(args), "results": results}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
