@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from runner_v2.logits_processor import SlotLogitsProcessor, SlotProcessorContext
+from runner_v2.uva import async_copy_to_device
 from shared.contract.sampling_params import SamplingParams
 from shared.sampling.example_processor_args import (
     MAX_BOOST_TOKENS,
@@ -95,7 +96,8 @@ class TargetTokenBoost(SlotLogitsProcessor):
         if args.token_ids:
             ids[:] = args.token_ids[0]
             ids[: len(args.token_ids)] = args.token_ids
-        self.token_ids[slot] = torch.from_numpy(ids).to(self.ctx.device)
+        # through a fresh pinned temporary, not a (synchronising) copy from pageable memory
+        async_copy_to_device(ids, self.ctx.device, out=self.token_ids[slot])
         self.used[slot] = bool(args.token_ids)
         self.boost[slot] = float(np.float32(args.boost))
         self.used_np[slot] = bool(args.token_ids)

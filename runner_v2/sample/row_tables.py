@@ -21,6 +21,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from runner_v2.uva import async_copy_to_device
+
 
 def clamp_ids(ids, vocab_size: int) -> np.ndarray:
     """Token ids as int64, those >= vocab_size (which every built-in ignores) as
@@ -86,4 +88,4 @@ class StagedRowTables:
         together with its own records instead)."""
         packed, m = self.pack_staged()
         if m:
-            self.write_packed(torch.from_numpy(packed).to(self.device), m)
+            self.write_packed(async_copy_to_device(packed, self.device), m)

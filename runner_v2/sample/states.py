@@ -37,6 +37,7 @@ import torch
 
 from runner_v2.sample.bad_words import BadWordsState
 from runner_v2.sample.logit_bias import LogitBiasState
+from runner_v2.uva import async_copy_to_device
 from shared.contract.sampling_params import SamplingParams
 from shared.runtime.triton_utils import tl, triton
 
@@ -246,8 +247,10 @@ class SamplingStates:
         ])
         self._staged.clear()
         self._staged_bins.clear()
-        # From pageable memory the copy has finished reading `packed` when it returns.
-        dev = torch.from_numpy(packed).to(self.device, non_blocking=True)
+        # Through a fresh pinned temporary: a copy from pageable memory may make the driver
+        # synchronise with the stream to stage it, which under async scheduling would wait
+        # for the step in flight (V2 bans implicit syncs).
+        dev = async_copy_to_device(packed, self.device)
         n, width = records.shape
         write_rows(self, dev[: n * width].view(n, width))
         off = n * width

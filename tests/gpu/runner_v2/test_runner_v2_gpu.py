@@ -1,5 +1,6 @@
 """V2 on the GPU: one launch per staged apply, no host sync in execute_model on the
-decode path, and the UVA-backed token table (GPU machine only)."""
+decode path nor on a step that admits requests, and the UVA-backed token table (GPU
+machine only)."""
 
 from __future__ import annotations
 
@@ -56,6 +57,37 @@ def test_no_host_sync_in_execute_model_on_decode(enforce_eager: bool) -> None:
     for _ in range(3):
         so = engine.scheduler.schedule()
         assert so.total_num_scheduled_tokens == so.num_reqs  # pure decode
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            runner.execute_model(so)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+        out = runner.sample_tokens(None).get_output()
+        engine.scheduler.update_from_output(so, out)
+
+
+def test_no_host_sync_in_execute_model_when_requests_arrive() -> None:
+    """A step that admits requests (the sampling states' records, penalty bins, logit
+    bias and bad words staged and shipped) beside decoding ones: no synchronising call."""
+    engine = _v2_engine()
+    plain = SamplingParams(max_tokens=50, temperature=0.8, top_p=0.9, ignore_eos=True)
+    for i in range(4):
+        engine.add_request(f"r{i}", [i + 1] * (4 + i), plain)
+    for _ in range(3):
+        engine.step()
+    runner = engine.runner
+    arrivals = [
+        SamplingParams(max_tokens=8, temperature=0.7, repetition_penalty=1.2, ignore_eos=True),
+        SamplingParams(max_tokens=8, temperature=0.0, logit_bias={5: 2.0, 9: -1.0},
+                       ignore_eos=True),
+        SamplingParams(max_tokens=8, temperature=0.5, bad_words_token_ids=[[3, 4], [7]],
+                       frequency_penalty=0.3, ignore_eos=True),
+    ]
+    for step, params in enumerate(arrivals):
+        engine.add_request(f"new{step}", [11, 12, 13 + step], params)
+        so = engine.scheduler.schedule()
+        assert so.scheduled_new_reqs, "the step admits the new request"
         torch.cuda.synchronize()
         torch.cuda.set_sync_debug_mode("error")
         try:
