@@ -45,6 +45,19 @@ def test_one_launch_per_apply_write() -> None:
     assert torch.equal(t.gpu.cpu(), expected)
 
 
+def _step_without_sync(engine: LLMEngine, so) -> None:
+    """The runner's execute_model for `so` with any synchronising CUDA call an error;
+    then its sampling and the scheduler's update, as the engine would."""
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        engine.runner.execute_model(so)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    out = engine.runner.sample_tokens(None).get_output()
+    engine.scheduler.update_from_output(so, out)
+
+
 @pytest.mark.parametrize("enforce_eager", [False, True])
 def test_no_host_sync_in_execute_model_on_decode(enforce_eager: bool) -> None:
     engine = _v2_engine(enforce_eager=enforce_eager)
@@ -53,18 +66,10 @@ def test_no_host_sync_in_execute_model_on_decode(enforce_eager: bool) -> None:
         engine.add_request(f"r{i}", [i + 1] * (4 + i), params)
     for _ in range(4):
         engine.step()  # prefill, then steady decode
-    runner = engine.runner
     for _ in range(3):
         so = engine.scheduler.schedule()
         assert so.total_num_scheduled_tokens == so.num_reqs  # pure decode
-        torch.cuda.synchronize()
-        torch.cuda.set_sync_debug_mode("error")
-        try:
-            runner.execute_model(so)
-        finally:
-            torch.cuda.set_sync_debug_mode(0)
-        out = runner.sample_tokens(None).get_output()
-        engine.scheduler.update_from_output(so, out)
+        _step_without_sync(engine, so)
 
 
 def test_no_host_sync_in_execute_model_when_requests_arrive() -> None:
@@ -76,7 +81,6 @@ def test_no_host_sync_in_execute_model_when_requests_arrive() -> None:
         engine.add_request(f"r{i}", [i + 1] * (4 + i), plain)
     for _ in range(3):
         engine.step()
-    runner = engine.runner
     arrivals = [
         SamplingParams(max_tokens=8, temperature=0.7, repetition_penalty=1.2, ignore_eos=True),
         SamplingParams(max_tokens=8, temperature=0.0, logit_bias={5: 2.0, 9: -1.0},
@@ -88,14 +92,7 @@ def test_no_host_sync_in_execute_model_when_requests_arrive() -> None:
         engine.add_request(f"new{step}", [11, 12, 13 + step], params)
         so = engine.scheduler.schedule()
         assert so.scheduled_new_reqs, "the step admits the new request"
-        torch.cuda.synchronize()
-        torch.cuda.set_sync_debug_mode("error")
-        try:
-            runner.execute_model(so)
-        finally:
-            torch.cuda.set_sync_debug_mode(0)
-        out = runner.sample_tokens(None).get_output()
-        engine.scheduler.update_from_output(so, out)
+        _step_without_sync(engine, so)
 
 
 def test_uva_token_table_is_host_memory_read_by_kernels() -> None:
