@@ -333,8 +333,12 @@ class PersistentBatch:
         self._sampling_metadata = None
 
     def reorder_decodes_first(self, num_scheduled_tokens: dict[str, int]) -> int:
-        """Stable partition of the rows: query length 1 (decodes) first, the rest after,
-        each group in its current order. Returns the number of decode rows."""
+        """Rows with query length 1 (decodes) first, the rest after, in the fewest swaps
+        (vLLM's V1 reorder, not a stable partition): each prefill row among the first
+        num_decodes rows, front to back, swaps with a decode row past them, back to
+        front. A swap moves every field of both rows, so a stable partition, which
+        shifted every decode behind the first prefill (about every row of a churn step),
+        cost the host a swap per row. Returns the number of decode rows."""
         self._require_dense("reorder_decodes_first")
         n = self.num_reqs
         query_lens = np.fromiter(
@@ -342,19 +346,11 @@ class PersistentBatch:
         )
         is_decode = query_lens == 1
         num_decodes = int(is_decode.sum())
-        if is_decode[:num_decodes].all():
-            return num_decodes  # already ordered: the steady decode state, no swaps
-        target = np.concatenate([np.flatnonzero(is_decode), np.flatnonzero(~is_decode)])
-        # Follow the permutation with swaps; a loop over requests, not tokens.
-        row_of = list(range(n))  # original row -> current row
-        orig_at = list(range(n))  # current row -> original row
-        for k, orig in enumerate(target.tolist()):
-            cur = row_of[orig]
-            if cur != k:
-                self.swap_states(k, cur)
-                displaced = orig_at[k]
-                orig_at[k], orig_at[cur] = orig, displaced
-                row_of[orig], row_of[displaced] = k, cur
+        prefills_in_front = np.flatnonzero(~is_decode[:num_decodes])
+        decodes_behind = num_decodes + np.flatnonzero(is_decode[num_decodes:])[::-1]
+        # as many of one as of the other; a loop over misplaced requests, not tokens
+        for i, j in zip(prefills_in_front.tolist(), decodes_behind.tolist()):
+            self.swap_states(i, j)
         return num_decodes
 
     def _require_dense(self, what: str) -> None:

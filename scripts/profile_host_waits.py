@@ -5,7 +5,7 @@ runtime call charged to the line of the project's code that made it
 
     python3 scripts/profile_host_waits.py [--model qwen3-0.6b] [--runners v1,v2]
         [--workload churn|decode] [--live 64] [--batch 1024] [--steps 10] [--sync]
-        [--max-model-len 2048] [--out FILE]
+        [--max-model-len 2048] [--stages-only] [--out FILE]
 
 churn: about `live` requests of 2-12 tokens, new ones arriving every step (runnerlab ab's
 churn); decode: `batch` requests decoding together. Async scheduling unless --sync: with
@@ -16,6 +16,7 @@ tracer slows the host, so the stage times here are inflated; the waits are GPU t
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import random
@@ -73,33 +74,49 @@ def profile_runner(args, runner: str) -> dict:
     for _ in range(args.warmup):
         step()
     stages: dict[str, list[float]] = {}
+    # a partial, not a closure: the engine is deleted below, before free_engines
+    measured_steps = functools.partial(run_steps, engine, step, args.steps, stages)
+    waits = []
+    if args.stages_only:
+        measured_steps()
+    else:
+        waits = host_waits(traced(measured_steps, args.device), args.steps)
+    del measured_steps
+    result = {"stage_ms_median": {k: statistics.median(v) for k, v in stages.items()},
+              "waits": [w.__dict__ for w in waits]}
+    print(f"== {runner} {args.workload} ({'sync' if args.sync else 'async'} loop), "
+          f"stage ms (median{'' if args.stages_only else ', tracer on'}): "
+          + ", ".join(f"{k} {v:.2f}" for k, v in result["stage_ms_median"].items()))
+    if not args.stages_only:
+        print(format_waits(waits), flush=True)
+    engines = {runner: engine}
+    del engine, step  # free_engines must hold the only reference
+    free_engines(engines)
+    return result
+
+
+def run_steps(engine, step, steps: int, stages: dict[str, list[float]]) -> None:
+    for _ in range(steps):
+        step()
+        for name, ms in engine.runner.step_stats.stage_ms.items():
+            stages.setdefault(name, []).append(ms)
+
+
+def traced(fn, device: str) -> list[dict]:
+    """Run fn under torch.profiler with the Python tracer; the trace's events."""
     acts = [torch.profiler.ProfilerActivity.CPU]
-    if args.device == "cuda":
+    if device == "cuda":
         acts.append(torch.profiler.ProfilerActivity.CUDA)
         torch.cuda.synchronize()
     with torch.profiler.profile(activities=acts, with_stack=True) as prof:
-        for _ in range(args.steps):
-            step()
-            for name, ms in engine.runner.step_stats.stage_ms.items():
-                stages.setdefault(name, []).append(ms)
-        if args.device == "cuda":
+        fn()
+        if device == "cuda":
             torch.cuda.synchronize()
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "trace.json")
         prof.export_chrome_trace(path)
         with open(path) as f:
-            events = json.load(f)["traceEvents"]
-    waits = host_waits(events, args.steps)
-    result = {"stage_ms_median": {k: statistics.median(v) for k, v in stages.items()},
-              "waits": [w.__dict__ for w in waits]}
-    print(f"== {runner} {args.workload} ({'sync' if args.sync else 'async'} loop), "
-          f"stage ms (median, tracer on): "
-          + ", ".join(f"{k} {v:.2f}" for k, v in result["stage_ms_median"].items()))
-    print(format_waits(waits), flush=True)
-    engines = {runner: engine}
-    del engine, step  # free_engines must hold the only reference
-    free_engines(engines)
-    return result
+            return json.load(f)["traceEvents"]
 
 
 def main() -> int:
@@ -112,6 +129,8 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=30)
     p.add_argument("--sync", action="store_true", help="the synchronous engine loop")
+    p.add_argument("--stages-only", action="store_true",
+                   help="no trace: the stage times alone, without the tracer's overhead")
     p.add_argument("--device", default="cuda")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--max-model-len", type=int, default=2048)

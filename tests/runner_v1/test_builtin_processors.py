@@ -266,7 +266,7 @@ def test_moved_rows_keep_their_builtins_and_vacated_rows_leak_nothing() -> None:
     assert batch.add_request(state_of("D", rows["D"])) == 2  # B's row: its bad words gone
     step()
     batch.reorder_decodes_first({"A": 2, "X": 1, "D": 1, "C": 2})
-    assert batch.req_ids == ["X", "D", "A", "C"]
+    assert batch.req_ids == ["D", "X", "A", "C"]  # A and D traded rows
     step()
 
 

@@ -322,9 +322,7 @@ class PersistentBatchMachine(RuleBasedStateMachine):
     def reorder(self, data) -> None:
         query_lens = {r: data.draw(st.sampled_from([1, 1, 2, 5]), label=r) for r in self.layout}
         before = list(self.layout)
-        self.layout = [r for r in before if query_lens[r] == 1] + [
-            r for r in before if query_lens[r] != 1
-        ]
+        self.layout = decodes_first_by_fewest_swaps(before, query_lens)
         num_decodes = self.batch.reorder_decodes_first(query_lens)
         assert num_decodes == sum(q == 1 for q in query_lens.values())
         if self.layout != before:
@@ -645,17 +643,35 @@ def test_refresh_and_reorder_require_a_condensed_batch():
         batch.reorder_decodes_first({"b": 1})
 
 
-def test_reorder_is_stable_and_recorded_as_swaps():
+def decodes_first_by_fewest_swaps(layout: list[str], query_lens: dict[str, int]) -> list[str]:
+    """The model of reorder_decodes_first (vLLM's V1 reorder): walk the front from the
+    left for a non-decode and the back from the right for a decode, swap, repeat until
+    the two walks meet."""
+    rows = list(layout)
+    front, back = 0, len(rows) - 1
+    while True:
+        while front < len(rows) and query_lens[rows[front]] == 1:
+            front += 1
+        while back >= 0 and query_lens[rows[back]] != 1:
+            back -= 1
+        if front >= back:
+            return rows
+        rows[front], rows[back] = rows[back], rows[front]
+
+
+def test_reorder_puts_decodes_first_in_the_fewest_swaps():
     batch = make_batch()
     for name in "abcdef":
         batch.add_request(make_state(name, [1]))
     batch.refresh_sampling_metadata()
     lens = {"a": 3, "b": 1, "c": 4, "d": 1, "e": 1, "f": 2}
     assert batch.reorder_decodes_first(lens) == 3
-    assert batch.req_ids == ["b", "d", "e", "a", "c", "f"]
+    # a and c (the prefills among the first three rows) trade places with e and d
+    assert batch.req_ids == ["e", "b", "d", "c", "a", "f"]
     batch.refresh_sampling_metadata()
     update = batch.last_batch_update
     assert update.removed == () and update.added == ()
+    assert len(update.moved) == 2  # no fewer swaps can put b, d, e first
     assert all(m.directionality.name == "SWAP" for m in update.moved)
     assert replay_batch_update(list("abcdef"), update) == batch.req_ids
     assert batch.reorder_decodes_first(lens) == 3  # already ordered: no swaps
