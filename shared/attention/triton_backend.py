@@ -182,7 +182,8 @@ class TritonAttentionImpl:
             single, multi, query_len = (
                 metadata.run_single_query, metadata.run_multi_query, 1)
             if splits_query_rows(metadata.uniform_query_len,
-                                 self.num_heads // self.num_kv_heads):
+                                 self.num_heads // self.num_kv_heads,
+                                 wide=query.element_size() >= 4):
                 single, multi, query_len = True, False, metadata.uniform_query_len
             plan = metadata.plans[key] = PagedAttentionPlan.build(
                 query, key_cache, value_cache, output,

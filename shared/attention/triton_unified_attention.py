@@ -83,13 +83,16 @@ def single_query_config(group: int, block_d: int, wide: bool,
 
 # The split mapping takes a uniform batch's rows of several tokens (a speculative verify)
 # while their tokens x GROUP heads fit this many rows of one program's tile; longer rows
-# go to the multi-query mapping, which does not split the KV.
+# go to the multi-query mapping, which does not split the KV. Wide (fp32 / fp64) inputs:
+# the multi-query mapping's own row limit (see _multi_query_config).
 MAX_SPLIT_ROWS = 64
+MAX_SPLIT_ROWS_WIDE = 32
 
 
-def splits_query_rows(query_len: int, group: int) -> bool:
+def splits_query_rows(query_len: int, group: int, wide: bool) -> bool:
     """Does the split mapping take a uniform batch whose rows have `query_len` tokens?"""
-    return (1 < query_len and next_power_of_2(query_len * group) <= MAX_SPLIT_ROWS
+    limit = MAX_SPLIT_ROWS_WIDE if wide else MAX_SPLIT_ROWS
+    return (1 < query_len and next_power_of_2(query_len * group) <= limit
             and not kernel_options().batch_invariant)
 
 

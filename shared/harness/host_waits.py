@@ -23,7 +23,11 @@ from dataclasses import dataclass
 # copy from pageable memory may synchronise with the stream before it is staged). A copy
 # counts only when it took at least `min_copy_us`: a short one did not wait.
 SYNC_CALLS = ("cudaStreamSynchronize", "cudaEventSynchronize", "cudaDeviceSynchronize")
-COPY_CALLS = ("cudaMemcpyAsync", "cudaMemcpy")
+# Copies, and the allocations and frees that synchronise implicitly (a fresh pinned
+# temporary's cudaHostAlloc, a cache miss's cudaMalloc, cudaFree): like copies, counted
+# only when long enough to have waited.
+COPY_CALLS = ("cudaMemcpyAsync", "cudaMemcpy", "cudaHostAlloc", "cudaFreeHost", "cudaMalloc",
+              "cudaFree")
 # Paths (as the Python tracer names frames) of the code whose lines are reported.
 PROJECT_DIRS = ("runner_v1/", "runner_v2/", "shared/", "policy/")
 

@@ -77,6 +77,8 @@ _CONFIG_FILE = Path(__file__).with_name("gemv_configs.json")
 # (docs/results/raw/a5e84ee/h100_gemv_m4.log); the FMA kernel reads them once per row.
 _DEFAULT_CONFIG = (16, 512, 4, 3, 0)
 _DEFAULT_ROWS_CONFIG = (64, 256, 4, 3, 1)
+# float32 weights: half the K tile, the same shared-memory bytes a pipeline stage
+_DEFAULT_ROWS_CONFIG_FP32 = (64, 128, 4, 3, 1)
 
 
 def use_gemv(x: torch.Tensor) -> bool:
@@ -236,7 +238,7 @@ def table_config(table: dict[str, list[int]], key: str) -> tuple[int, ...]:
         found = table.get(f"{shape}:m{fewer}:{dtype}")
         if found is not None:
             return tuple(found)
-    return _DEFAULT_ROWS_CONFIG
+    return _DEFAULT_ROWS_CONFIG_FP32 if dtype == "float32" else _DEFAULT_ROWS_CONFIG
 
 
 def _config_for(x: torch.Tensor, key: str, override) -> tuple[int, int, int, int, int, int]:

@@ -241,6 +241,15 @@ def test_other_batches_keep_the_multi_query_mapping(query_lens, num_heads):
     assert _plan_of(batch, num_heads, 2, 32, 4).multi is not None
 
 
+@pytest.mark.parametrize("dtype,split", [(torch.bfloat16, True), (torch.float32, False)])
+def test_the_row_limit_of_the_split_mapping_follows_the_dtype(dtype, split):
+    """10 tokens x GROUP 4 = 40 rows (a 64-row tile): the split mapping takes them in
+    16-bit, not in fp32, whose wide tiles the multi-query mapping keeps to 32 rows."""
+    batch = make_batch([10, 10], [50, 12], 8, 2, 32, 8, dtype=dtype, pad_reqs=1)
+    assert (_plan_of(batch, 8, 2, 32).multi is None) == split
+    compare([10, 10], [50, 12], num_heads=8, dtype=dtype, atol=2e-2, rtol=2e-2)
+
+
 def test_batch_invariant_mode_keeps_verify_rows_on_the_multi_query_mapping(kernel_opts):
     """Batch-invariant mode needs a token's result to be the same in a verify, a prefill
     chunk or a decode: one mapping config and no splits, so no split mapping of verify

@@ -40,11 +40,13 @@ def test_waits_go_to_the_innermost_enclosing_project_frame():
     assert (w.count, w.total_us, w.max_us) == (0.5, 100.0, 200.0)  # per step of 2
 
 
-def test_a_copy_counts_only_when_it_blocked_long_enough():
+def test_a_copy_or_allocation_counts_only_when_it_blocked_long_enough():
     events = [frame(LAND, 0, 1000), call("cudaMemcpyAsync", 10, 5),
-              call("cudaMemcpyAsync", 100, 80), call("cudaMemcpyAsync", 300, 120)]
-    (w,) = host_waits(events, steps=1, min_copy_us=50)
-    assert (w.call, w.site, w.count, w.total_us) == ("cudaMemcpyAsync", LAND, 2, 200.0)
+              call("cudaMemcpyAsync", 100, 80), call("cudaMemcpyAsync", 300, 120),
+              call("cudaHostAlloc", 500, 10), call("cudaHostAlloc", 600, 300)]
+    waits = host_waits(events, steps=1, min_copy_us=50)
+    assert [(w.call, w.site, w.count, w.total_us) for w in waits] == [
+        ("cudaHostAlloc", LAND, 1, 300.0), ("cudaMemcpyAsync", LAND, 2, 200.0)]
     assert host_waits(events, steps=1, min_copy_us=500) == []
 
 

@@ -213,3 +213,4 @@ def test_table_config_falls_back_to_fewer_rows():
     assert gemv.table_config(table, key(5, f32)) == (4, 32, 2, 1, 0)
     assert gemv.table_config(table, key(1, f32)) == gemv._DEFAULT_CONFIG
     assert gemv.table_config(table, key(2, rows=128)) == gemv._DEFAULT_ROWS_CONFIG
+    assert gemv.table_config(table, key(2, f32, rows=128)) == gemv._DEFAULT_ROWS_CONFIG_FP32

@@ -28,8 +28,8 @@ GPU_SHAPES = [  # (name, rows, K, epilogue, head_dim)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("name,rows,k,epilogue,head_dim", GPU_SHAPES)
 def test_gpu_shapes(name, rows, k, epilogue, head_dim, dtype, m):
-    """The table's configs; m = 4 (a k = 3 verify): its own entry, or the M = 1 tile
-    through the multi-row FMA kernel."""
+    """The table's configs; m = 4 (a k = 3 verify): its own entry where the device has
+    one, else the tensor-core default for several rows."""
     dev = "cuda"
     x = _randn(m, k, seed=1, dtype=dtype, device=dev)
     w = _randn(rows, k, seed=2, dtype=dtype, device=dev, scale=k**-0.5)
