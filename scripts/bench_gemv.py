@@ -209,7 +209,8 @@ def main() -> int:
             rows.append(bench_shape(*shape, m, bw))
             torch.cuda.empty_cache()  # the last shape's weight copies
             if args.configs_out:  # after each shape: a run cut short keeps what it tuned
-                merge_configs(args.configs_out, gpu, {rows[-1]["key"]: rows[-1]["fused"]["config"]})
+                row = rows[-1]
+                merge_configs(args.configs_out, gpu, {row["key"]: row["fused"]["config"]})
     if args.token_rows:
         # More token rows, tensor-core kernel with the best M=1 dot config: where the GEMV
         # path stops paying against cuBLAS (MAX_TOKENS).

@@ -269,8 +269,9 @@ def check_launch(query, key_cache, value_cache, output, query_start_loc, seq_len
 def split_partials(query: torch.Tensor, num_rows: int, num_splits: int) -> tuple:
     """(part_out, part_max, part_sum) of a split launch over `num_rows` query tokens
     (padded rows x their query length). Allocated per call: under graph capture they come
-    from the graph's pool, like any activation, so they stay valid for every replay. With one split the kernels never touch them (NUM_SPLITS == 1
-    compiles the partial stores away): placeholders."""
+    from the graph's pool, like any activation, so they stay valid for every replay. With
+    one split the kernels never touch them (NUM_SPLITS == 1 compiles the partial stores
+    away): placeholders."""
     if num_splits == 1:
         return query, query, query
     num_heads, head_dim = query.shape[1:]

@@ -42,7 +42,7 @@ from shared.harness.ab_args import Refused, _engine_args
 from shared.harness.ab_engines import free_engines, run_order, summarize_sizes
 from shared.harness.embed_args import EMBED
 from shared.harness.floor import GemmFloor, matmul_params, parameter_count
-from shared.harness.measure import maybe_profile
+from shared.harness.measure import maybe_profile, sync_engine
 from shared.serving.engine import LLMEngine
 
 EMBED_SEED = 5
@@ -144,17 +144,12 @@ class EmbedRun:
         })
 
 
-def _sync(engine: LLMEngine) -> None:
-    if engine.device.type == "cuda":
-        torch.cuda.synchronize(engine.device)
-
-
 def embed_run(engine: LLMEngine, prompts: list[list[int]], tag: str) -> EmbedRun:
     """Every prompt added at once, stepped until every embedding is out."""
     ids = [f"{tag}{i}" for i in range(len(prompts))]
     out: dict[str, torch.Tensor] = {}
     steps = 0  # (a pooling request reports once, when its embedding is complete)
-    _sync(engine)
+    sync_engine(engine)
     t0 = time.perf_counter()
     for req_id, prompt in zip(ids, prompts):
         engine.add_request(req_id, prompt, None)
@@ -162,7 +157,7 @@ def embed_run(engine: LLMEngine, prompts: list[list[int]], tag: str) -> EmbedRun
         for o in engine.step():
             out[o.request_id.rsplit("-", 1)[-1]] = o.outputs.data
         steps += 1
-    _sync(engine)
+    sync_engine(engine)
     seconds = time.perf_counter() - t0
     while engine.has_unfinished_requests():  # an empty step carries the finishes to
         engine.step()  # the runner: not one of the run's steps

@@ -199,14 +199,12 @@ def run_decode(
         for out in outs:
             tokens[out.request_id] = out.outputs[0].token_ids
     # Steady state without per-step timing hooks: wall time over a run of steps.
-    if engine.device.type == "cuda":
-        torch.cuda.synchronize()
+    sync_engine(engine)
     t0 = time.perf_counter()
     for _ in range(steps):
         for out in engine.step():
             tokens[out.request_id] = out.outputs[0].token_ids
-    if engine.device.type == "cuda":
-        torch.cuda.synchronize()
+    sync_engine(engine)
     steady_ms = (time.perf_counter() - t0) * 1e3 / steps
     engine.abort_request(ids)
     while engine.has_unfinished_requests():
@@ -214,6 +212,12 @@ def run_decode(
     for out in engine.step():  # carries the aborts to the runner; reports them
         tokens[out.request_id] = out.outputs[0].token_ids
     return samples, steady_ms, tokens
+
+
+def sync_engine(engine: LLMEngine) -> None:
+    """Wait for the engine's device work (a no-op off CUDA)."""
+    if engine.device.type == "cuda":
+        torch.cuda.synchronize(engine.device)
 
 
 @contextlib.contextmanager

@@ -14,10 +14,9 @@ import time
 from dataclasses import dataclass
 
 import numpy as np
-import torch
 
 from shared.contract.sampling_params import RequestOutputKind, SamplingParams
-from shared.harness.measure import StepSamples, run_decode
+from shared.harness.measure import StepSamples, run_decode, sync_engine
 from shared.runtime.step_timing import STAGES
 from shared.serving.engine import LLMEngine
 
@@ -122,22 +121,16 @@ def churn(engine: LLMEngine, live: int, steps: int, tag: str) -> RunResult:
         samples.add(engine, (time.perf_counter() - t0) * 1e3)
         for out in outs:
             tokens[out.request_id] = out.outputs[0].token_ids
-    sync(engine)
+    sync_engine(engine)
     t0 = time.perf_counter()
     for _ in range(steps):  # the arrivals between the steps are part of the run
         top_up()
         for out in engine.step():
             tokens[out.request_id] = out.outputs[0].token_ids
-    sync(engine)
+    sync_engine(engine)
     steady_ms = (time.perf_counter() - t0) * 1e3 / steps
     _drain(engine, None, tokens)
     return RunResult(samples, tokens, {"requests": next_id, "steady_ms": steady_ms})
-
-
-def sync(engine: LLMEngine) -> None:
-    """Wait for the engine's device work (a no-op off CUDA)."""
-    if engine.device.type == "cuda":
-        torch.cuda.synchronize(engine.device)
 
 
 def nano_vllm_workload(num_requests: int = 256, min_len: int = 100, max_len: int = 1024):
