@@ -211,6 +211,7 @@ class GPUModelRunner(RunnerSetupMixin):
                 self.in_flight.land(self.persistent_batch, keep_latest=False)
             if state.spec is not None:
                 spec_out = self._sample_spec(state)
+                self._launch_drafts(state, spec_out.output_token_ids, spec_out.num_sampled)
             else:
                 hidden = state.hidden_states[inputs.logits_indices]
                 logits = self.executor.compute_logits(hidden)
@@ -220,6 +221,7 @@ class GPUModelRunner(RunnerSetupMixin):
                              else inputs.positions[inputs.logits_indices])
                 sampler_output = self.tp_sampling.run(
                     lambda: self.sampler(logits, state.sampling_metadata, positions))
+                self._launch_drafts(state, sampler_output.sampled_token_ids, None)
                 prompt_lps = compute_prompt_logprobs_v1(
                     self.prompt_logprobs_reqs, self.persistent_batch, inputs,
                     state.hidden_states, self.executor)
@@ -260,14 +262,20 @@ class GPUModelRunner(RunnerSetupMixin):
             sampled_token_ids=sampled,
         )
 
+    def _launch_drafts(self, state: _ExecuteState, new_tokens: torch.Tensor,
+                       num_new: torch.Tensor | None) -> None:
+        """The draft model's forwards, enqueued behind the sampling before the step's one
+        sync (so the GPU runs them while the host waits for the tokens)."""
+        if self.speculator is not None:
+            self.speculator.launch(self.persistent_batch, state.inputs.num_scheduled_tokens_np,
+                                   new_tokens, num_new, state.sampling_metadata)
+
     def _propose(self, output: ModelRunnerOutput, state: _ExecuteState) -> None:
         """The next step's drafts for every row that sampled (synchronous runs only)."""
         if self.speculator is None or not isinstance(output, ModelRunnerOutput):
             return  # (async outputs never meet a speculator: the config refuses the pair)
         rows = np.flatnonzero([bool(t) for t in output.sampled_token_ids])
-        proposals = self.speculator.propose(
-            self.persistent_batch, rows, state.inputs.num_scheduled_tokens_np,
-            state.sampling_metadata)
+        proposals = self.speculator.propose(self.persistent_batch, rows)
         drafts: list[list[int]] = [[] for _ in state.req_ids]
         for row, d in zip(rows.tolist(), proposals):
             drafts[row] = d

@@ -2,23 +2,28 @@
 the target's KV block layout) proposes up to k tokens per request after every step.
 
 Stateless about draft progress. The invariant: at the start of a step the draft's KV is
-valid at every position below the target's num_computed_tokens. After the step's
-accepted tokens are in the token table, one catch-up forward feeds each scheduled row
-the positions [num_computed_before, known), known = min(num_tokens, num_computed_before
-+ num_scheduled + 1): a partial prefill its chunk; a row that sampled its chunk or decode
-token, its accepted drafts and the target's own new token. That rewrites whatever the
-rejected drafts left in the draft KV (and, redundantly, the last position the previous
-catch-up wrote), so nothing about earlier proposals needs remembering and the invariant
-holds again for the next step. The rows that sampled then draw draft 1 from their last
-catch-up logit and drafts 2..k from k - 1 single-token forwards.
+valid at every position below the target's num_computed_tokens. Right after the step's
+sampling (launch), before its tokens reach the host, one catch-up forward feeds each
+scheduled row the positions [num_computed_before, num_computed_before + num_scheduled
+(+ 1 for a row that sampled)): a partial prefill its chunk; a row that sampled its
+query, the target's new token placed on the device after the accepted drafts
+(runner_v1/spec_decode/draft_inputs.py). That rewrites whatever the rejected drafts left
+in the draft KV, so nothing about earlier proposals needs remembering and the invariant
+holds again for the next step. The rows that sampled then draw draft 1 from their new
+token's logit and drafts 2..k from k - 1 single-token forwards, all enqueued without a
+wait: the step's one sync (the runner's, for its tokens) finds the drafts done, and
+collect() hands them out. vLLM's V1 proposers prepare their padded batches on the device
+the same way, so that the draft runs behind the verify with no host round trip.
 
-Caps. A row proposes at most min(k, max_model_len - known - 1) drafts: the scheduler
+Caps (known: num_tokens with the step's accepted run appended). A row proposes at most
+min(k, max_model_len - known - 1) drafts: the scheduler
 verifies d drafts at positions known .. known + d - 1 and the target's own token lands
 at known + d, which must stay below max_model_len. The forwards write draft KV at
 positions known - 1 .. known + cap - 2, so a row also proposes no more than its
 allocated blocks hold (a new request's last prefill chunk gets no lookahead slots from
 the scheduler: its new token's slot may lie in a block it does not own yet). KV past
-the allocated blocks is never written: the catch-up itself is cut there.
+the allocated blocks is never written: the catch-up itself is cut there. The launch
+only has an upper bound of each cap (no draft accepted); collect() trims to the cap.
 
 The draft distributions q (float64 [drafts, V]; None for greedy rows, whose drafts are
 an argmax) wait here, keyed by request, until the next step's rejection sampler asks
@@ -35,15 +40,23 @@ import torch
 
 from policy.config import EngineConfig
 from policy.model_config import ModelConfig
-from runner_v1.block_table import BlockTable
 from runner_v1.buffers import CpuGpuBuffer
 from runner_v1.persistent_batch import PersistentBatch
 from runner_v1.prepare_inputs import fill_query_start_loc, gather_input_ids
 from runner_v1.sampling_metadata import SamplingMetadata
+from runner_v1.spec_decode.draft_inputs import (
+    CatchUpLayout,
+    catch_up_layout,
+    draft_decode_inputs,
+    fill_slots,
+    place_new_tokens,
+    v1_full_query_lens,
+)
 from runner_v1.spec_decode.metadata import ragged_arange, to_device
-from shared.attention.metadata import PAD_SLOT_ID, CommonAttentionMetadata, count_leading_decodes
+from shared.attention.metadata import CommonAttentionMetadata, count_leading_decodes
 from shared.runtime.draft_executor import DraftForward, make_draft_executor
 from shared.runtime.draft_graphs import draft_graph_config
+from shared.runtime.host_buffers import copy_packed_to_device
 from shared.sampling.draft_sampling import sample_draft
 
 
@@ -74,30 +87,33 @@ class _DraftBuffers:
     max_num_batched_tokens + max_num_seqs tokens (each sampled row adds its new token),
     more than the runner's input buffers take."""
 
-    def __init__(self, max_num_reqs: int, max_tokens: int, k: int, device: torch.device) -> None:
+    def __init__(self, max_num_reqs: int, max_tokens: int, device: torch.device) -> None:
         T, R = max_tokens, max_num_reqs
-        self.input_ids = CpuGpuBuffer(T, dtype=torch.int32, device=device)
+        # one entry more than a catch-up can use: place_new_tokens' scratch slot
+        self.input_ids = CpuGpuBuffer(T + 1, dtype=torch.int32, device=device)
         self.positions = CpuGpuBuffer(T, dtype=torch.int64, device=device)
         self.slot_mapping = CpuGpuBuffer(T, dtype=torch.int64, device=device)
         self.query_start_loc = CpuGpuBuffer(R + 1, dtype=torch.int32, device=device)
         self.seq_lens = CpuGpuBuffer(R, dtype=torch.int32, device=device)
-        # The proposing rows, their last catch-up token, and per draft i (row i of each
-        # grid) the position of the token draft i + 1 is sampled from: known - 1 + i.
-        # Row 0 is the catch-up's last token; rows 1 .. k - 1 are the single-token forwards.
-        self.rows = CpuGpuBuffer(R, dtype=torch.int64, device=device)
-        self.last_token = CpuGpuBuffer(R, dtype=torch.int64, device=device)
-        self.step_positions = CpuGpuBuffer(k, R, dtype=torch.int64, device=device)
-        self.step_seq_lens = CpuGpuBuffer(k, R, dtype=torch.int32, device=device)
-        self.step_slots = CpuGpuBuffer(k, R, dtype=torch.int64, device=device)
         # query_start_loc of m one-token rows: arange(m + 1)
         self.arange_cpu = torch.arange(R + 1, dtype=torch.int32)
         self.arange = self.arange_cpu.to(device)
 
 
+@dataclass
+class _Launched:
+    """A step's drafts, launched and not yet read (collect() trims them to the caps)."""
+
+    rows: np.ndarray  # int64 [n]: the proposing batch rows, upper-bound cap descending
+    drafts: torch.Tensor  # int64 [steps, n]
+    probs: torch.Tensor | None  # float64 [n, steps, V]; None when every row is greedy
+
+
 class V1DraftProposer:
     """draft_model proposals for V1. The runner calls, per step: draft_probs_for_step
-    (before rejection sampling), propose (after the accepted tokens are appended),
-    remove (finished / preempted requests), reset (recovery)."""
+    (before rejection sampling), launch (right after sampling), collect (after the
+    accepted tokens are appended), remove (finished / preempted requests), reset
+    (recovery)."""
 
     def __init__(
         self, config: EngineConfig, draft_model_config: ModelConfig, num_speculative_tokens: int,
@@ -129,8 +145,12 @@ class V1DraftProposer:
             v1_full_query_lens(self.k), self.max_catch_up_tokens)
         self.draft_forward = DraftForward(
             self.executor, self.max_catch_up_tokens, graphs, self.device)
-        self.buffers = _DraftBuffers(self.max_num_reqs, self.max_catch_up_tokens, self.k, self.device)
+        self.buffers = _DraftBuffers(self.max_num_reqs, self.max_catch_up_tokens, self.device)
         self._proposals: dict[str, _Proposal] = {}
+        self._pending: _Launched | None = None
+        # the TORCH backend reads exact host seq_lens, which the draft forwards after the
+        # catch-up only have on the device
+        self.needs_host_seq_lens = config.attention_backend == "TORCH"
         # The host buffers are rewritten next step: the copies out of them must be done.
         self._copies_done = torch.cuda.Event() if self.device.type == "cuda" else None
 
@@ -173,6 +193,7 @@ class V1DraftProposer:
 
     def reset(self) -> None:
         self._proposals.clear()
+        self._pending = None
 
     # ---- before rejection sampling -----------------------------------------------------
     def draft_probs_for_step(
@@ -212,70 +233,103 @@ class V1DraftProposer:
             out[flat_rows(~is_random), tokens] = 1.0
         return out
 
-    # ---- after the step -------------------------------------------------------------
+    # ---- after sampling, before the step's tokens reach the host -------------------------
     @torch.no_grad()
-    def propose(
-        self, batch: PersistentBatch, num_scheduled: np.ndarray, sampled_rows: np.ndarray,
-        metadata: SamplingMetadata,
-    ) -> list[list[int]]:
-        """Catch the draft up on this step's tokens and propose for `sampled_rows`.
+    def launch(
+        self, batch: PersistentBatch, num_scheduled: np.ndarray, new_tokens: torch.Tensor,
+        num_new: torch.Tensor | None, metadata: SamplingMetadata,
+    ) -> None:
+        """Enqueue the catch-up and the draft forwards right behind the step's sampling,
+        without waiting for it (draft_inputs.py has the layout).
 
-        Called with the accepted tokens appended to the token table while
-        batch.num_computed_tokens still holds the values from before this step, and the
-        device block table as this step committed it. num_scheduled: int [num_reqs],
-        this step's query lengths (drafts included). Returns the drafts of each sampled
-        row, in the order of sampled_rows ([] where a cap leaves none)."""
+        Called while the token table still holds this step's query (its drafts in the
+        scratch columns) and num_tokens / num_computed_tokens are from before the step,
+        with the device block table as this step committed it. num_scheduled: int [N],
+        the step's query lengths; new_tokens / num_new: the step's sampled tokens on the
+        device (place_new_tokens). collect() reads the drafts once the step's tokens are
+        on the host."""
         n = batch.num_reqs
         if self._copies_done is not None:
-            self._copies_done.synchronize()
-        for row in sampled_rows.tolist():  # their old drafts were verified this step
-            self._proposals.pop(batch.req_ids[row], None)
+            self._copies_done.synchronize()  # the previous launch's pinned copies
+        self._pending = None
         if n == 0:
-            return [[] for _ in sampled_rows.tolist()]
+            return
         start = batch.num_computed_tokens[:n].astype(np.int64)
-        scheduled = num_scheduled[:n].astype(np.int64)
-        known = np.where(
-            scheduled > 0, np.minimum(batch.num_tokens[:n], start + scheduled + 1), start)
+        known = batch.num_tokens[:n].astype(np.int64)
         allocated = batch.block_table.num_blocks_per_row[:n].astype(np.int64) * self.block_size
-        hidden, cu = self._catch_up(batch, start, np.minimum(known, allocated))
-
-        rows = sampled_rows.astype(np.int64)
-        known_rows = known[rows]
-        caps = np.minimum(self.k, np.minimum(self.max_model_len - known_rows - 1,
-                                             allocated[rows] - known_rows + 1))
+        layout = catch_up_layout(start, num_scheduled[:n].astype(np.int64), known, allocated)
+        for row in np.flatnonzero(layout.sampled).tolist():  # verified this step
+            self._proposals.pop(batch.req_ids[row], None)
+        if layout.total == 0:
+            return
+        if layout.total > self.max_catch_up_tokens:
+            raise RuntimeError(
+                f"draft catch-up of {layout.total} tokens exceeds max_num_batched_tokens + "
+                f"max_num_seqs = {self.max_catch_up_tokens}")
+        # Each proposing row drafts at most this many (its new token at the earliest,
+        # known); collect() trims to the exact cap once the accepted count is known.
+        cap_hi = np.minimum(self.k, np.minimum(self.max_model_len - known - 2, allocated - known))
+        rows = np.flatnonzero(layout.sampled & (cap_hi > 0))
         # Largest cap first: at draft forward i the rows still drafting are a prefix.
-        order = np.argsort(-caps, kind="stable")
-        order = order[caps[order] > 0]
-        drafts_by_row: dict[int, list[int]] = {}
-        if order.size and hidden is not None:
-            drafts_by_row = self._draft(
-                batch, hidden, cu, rows[order], known_rows[order], caps[order], metadata)
+        rows = rows[np.argsort(-cap_hi[rows], kind="stable")]
+        limit = np.where(layout.sampled, layout.lens, 0)
+        start_dev, row_start, new_rel, limit_dev, rows_dev, row_limit = copy_packed_to_device(
+            [start, layout.cu - layout.lens, layout.new_rel, limit, rows,
+             np.minimum(allocated[rows], self.max_model_len)], self.device)
+        hidden, new_rel_dev, placed = self._catch_up(
+            batch, start, layout, new_tokens, num_new, (row_start, new_rel, limit_dev))
+        if rows.size:
+            new_index = torch.where(placed, row_start + new_rel_dev, row_start + limit_dev - 1)
+            self._pending = self._draft(
+                batch, hidden.index_select(0, new_index.index_select(0, rows_dev)),
+                (start_dev + new_rel_dev).index_select(0, rows_dev), rows, rows_dev, row_limit,
+                cap_hi[rows], known[rows] + num_scheduled[rows].astype(np.int64), metadata)
         if self._copies_done is not None:
             self._copies_done.record()
-        return [drafts_by_row.get(row, []) for row in rows.tolist()]
+
+    # ---- after the step's tokens are in the token table -------------------------------
+    def collect(self, batch: PersistentBatch, sampled_rows: np.ndarray) -> list[list[int]]:
+        """The launched drafts of `sampled_rows` (in their order), each trimmed to its
+        cap: min(k, max_model_len - known - 1, allocated - known + 1) with known the
+        row's num_tokens, now that the step's accepted run is appended ([] where a cap
+        leaves none). The verify's rows keep their q for the next step's sampler."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return [[] for _ in sampled_rows.tolist()]
+        known = batch.num_tokens[pending.rows].astype(np.int64)
+        allocated = (batch.block_table.num_blocks_per_row[pending.rows].astype(np.int64)
+                     * self.block_size)
+        caps = np.minimum(self.k, np.minimum(self.max_model_len - known - 1,
+                                             allocated - known + 1))
+        per_row = pending.drafts.t().tolist()  # the step has synced already: [n][steps]
+        greedy = batch.temperature.np[pending.rows] == 0
+        out: dict[int, list[int]] = {}
+        for j, (row, cap) in enumerate(zip(pending.rows.tolist(), caps.tolist())):
+            if cap <= 0:
+                continue
+            probs = None if pending.probs is None or greedy[j] else pending.probs[j, :cap]
+            self._proposals[batch.req_ids[row]] = _Proposal(pending.drafts[:cap, j], probs)
+            out[row] = per_row[j][:cap]
+        return [out.get(row, []) for row in sampled_rows.tolist()]
 
     def _catch_up(
-        self, batch: PersistentBatch, start: np.ndarray, end: np.ndarray
-    ) -> tuple[torch.Tensor | None, np.ndarray]:
-        """One forward over every row's positions [start, end): the tokens from the host
-        token table, slots from the host block table. -> (hidden states, cu tokens)."""
+        self, batch: PersistentBatch, start: np.ndarray, layout: CatchUpLayout,
+        new_tokens: torch.Tensor, num_new: torch.Tensor | None,
+        placement: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """One forward over every row's layout: the tokens from the host token table,
+        slots from the host block table, the new tokens placed on the device. -> (hidden
+        states, each row's new-token index in its row, whether it was placed)."""
         n = start.shape[0]
         b = self.buffers
-        lens = np.maximum(end - start, 0)
-        cu = np.cumsum(lens)
-        total = int(cu[-1])
-        if total > self.max_catch_up_tokens:
-            raise RuntimeError(
-                f"draft catch-up of {total} tokens exceeds max_num_batched_tokens + "
-                f"max_num_seqs = {self.max_catch_up_tokens}")
-        if total == 0:
-            return None, cu
+        lens, total = layout.lens, layout.total
         req_idx = np.repeat(np.arange(n, dtype=np.int64), lens)
         positions = b.positions.np[:total]
         np.add(np.repeat(start, lens), ragged_arange(lens), out=positions)
         gather_input_ids(batch.token_ids_cpu, req_idx, positions, b.input_ids.cpu[:total])
         fill_slots(batch.block_table, req_idx, positions, b.slot_mapping.np[:total])
-        fill_query_start_loc(cu, b.query_start_loc.np[: n + 1])
+        fill_query_start_loc(layout.cu, b.query_start_loc.np[: n + 1])
+        end = start + lens
         b.seq_lens.np[:n] = end
         num_decodes = count_leading_decodes(lens)
         step = _DraftStepBatch(
@@ -284,44 +338,33 @@ class V1DraftProposer:
             num_reqs=n, num_tokens=total, max_query_len=int(lens.max()),
             max_seq_len=int(end.max()), num_decodes=num_decodes, num_decode_tokens=num_decodes,
         )
+        ids = b.input_ids.copy_to_gpu(total)
+        # the buffer's last entry is the scratch slot: total never reaches it
+        new_rel, placed = place_new_tokens(
+            b.input_ids.gpu, b.input_ids.gpu.shape[0] - 1, new_tokens, num_new, *placement)
         hidden = self._forward(
-            step, b.input_ids.copy_to_gpu(total), b.positions.copy_to_gpu(total),
+            step, ids, b.positions.copy_to_gpu(total),
             batch.block_table.block_table.gpu[:n], b.slot_mapping.copy_to_gpu(total),
             b.query_start_loc.cpu[: n + 1], b.seq_lens.cpu[:n],
         )
-        return hidden, cu
+        return hidden, new_rel, placed
 
     def _draft(
-        self, batch: PersistentBatch, hidden: torch.Tensor, cu: np.ndarray, rows: np.ndarray,
-        known: np.ndarray, caps: np.ndarray, metadata: SamplingMetadata,
-    ) -> dict[int, list[int]]:
-        """Draft 1 from each row's last catch-up logit, drafts 2..cap from single-token
-        forwards; rows sorted by cap, descending. Keeps the proposals; -> row -> drafts."""
-        n, steps, b = rows.shape[0], int(caps[0]), self.buffers
-        b.rows.np[:n] = rows
-        b.last_token.np[:n] = cu[rows] - 1
-        grid = np.arange(steps, dtype=np.int64)[:, None]
-        positions = b.step_positions.np[:steps, :n]
-        np.add(known[None, :] - 1, grid, out=positions)  # draft i + 1 samples at known - 1 + i
-        b.step_seq_lens.np[:steps, :n] = positions + 1
-        slots = b.step_slots.np[:steps, :n]
-        fill_slots(batch.block_table, np.broadcast_to(rows, positions.shape),
-                   np.minimum(positions, self.max_model_len - 1), slots)
-        slots[grid >= caps[None, :]] = PAD_SLOT_ID  # forward i runs only where cap > i
-        rows_dev = b.rows.copy_to_gpu(n)
-        positions_dev = b.step_positions.copy_to_gpu(steps)
-        seq_lens_dev = b.step_seq_lens.copy_to_gpu(steps)
-        slots_dev = b.step_slots.copy_to_gpu(steps)
+        self, batch: PersistentBatch, hidden: torch.Tensor, new_pos: torch.Tensor,
+        rows: np.ndarray, rows_dev: torch.Tensor, limit: torch.Tensor, caps: np.ndarray,
+        max_known: np.ndarray, metadata: SamplingMetadata,
+    ) -> _Launched:
+        """Draft 1 from each proposing row's new-token logit, drafts 2..cap from single-
+        token forwards; rows sorted by cap (an upper bound), descending. hidden: the new
+        tokens' hidden states; new_pos: their positions (device); max_known: each row's
+        known count were every draft accepted (a bound for the metadata's max_seq_len)."""
+        n, steps = rows.shape[0], int(caps[0])
         temperature = seeds = None  # greedy drafts are an argmax: neither is read
         if not metadata.all_greedy:
             temperature = metadata.temperature[rows_dev]
             seeds = metadata.seeds[rows_dev]
-        # gathered once for the k - 1 forwards, into the draft's persistent FULL-graph
-        # rows where it has them (after the catch-up, whose FULL graph reads them too)
-        block_table = self._table_rows(batch.block_table.block_table.gpu, rows_dev, n)
-
-        logits = self.executor.compute_logits(hidden[b.last_token.copy_to_gpu(n)])
-        tokens, q = sample_draft(logits, temperature, seeds, positions_dev[0, :n], 0,
+        logits = self.executor.compute_logits(hidden)
+        tokens, q = sample_draft(logits, temperature, seeds, new_pos, 0,
                                  all_greedy=metadata.all_greedy)
         drafts = torch.empty((steps, n), dtype=torch.int64, device=self.device)
         drafts[0] = tokens
@@ -329,31 +372,34 @@ class V1DraftProposer:
         if q is not None:
             probs = torch.empty((n, steps, self.vocab_size), dtype=torch.float64, device=self.device)
             probs[:, 0] = q
+        if steps > 1:
+            table = batch.block_table.block_table.gpu
+            positions, seq_lens, slots = draft_decode_inputs(
+                new_pos, rows_dev, limit, table, steps - 1, self.block_size, self.max_model_len)
+            # gathered once for the k - 1 forwards, into the draft's persistent FULL-graph
+            # rows where it has them (after the catch-up, whose FULL graph reads them too)
+            block_table = self._table_rows(table, rows_dev, n)
         for i in range(1, steps):  # <= k - 1 forwards, each vectorised over its rows
             m = int(np.count_nonzero(caps > i))
             step = _DraftStepBatch(
-                query_start_loc=b.arange[: m + 1], seq_lens=seq_lens_dev[i, :m], num_reqs=m,
-                num_tokens=m, max_query_len=1, max_seq_len=int(known[:m].max()) + i,
+                query_start_loc=self.buffers.arange[: m + 1], seq_lens=seq_lens[i - 1, :m],
+                num_reqs=m, num_tokens=m, max_query_len=1,
+                max_seq_len=min(self.max_model_len, int(max_known[:m].max()) + i),
                 num_decodes=m, num_decode_tokens=m,
             )
+            # the TORCH backend reads exact host lengths (a sync, on a CPU-only path)
+            host_lens = seq_lens[i - 1, :m].cpu() if self.needs_host_seq_lens else None
             hidden_i = self._forward(
-                step, drafts[i - 1, :m], positions_dev[i, :m], block_table[:m],
-                slots_dev[i, :m], b.arange_cpu[: m + 1], b.step_seq_lens.cpu[i, :m],
+                step, drafts[i - 1, :m], positions[i - 1, :m], block_table[:m],
+                slots[i - 1, :m], self.buffers.arange_cpu[: m + 1], host_lens,
             )
             logits = self.executor.compute_logits(hidden_i)
             tokens, q = sample_draft(logits, _head(temperature, m), _head(seeds, m),
-                                     positions_dev[0, :m], i, all_greedy=metadata.all_greedy)
+                                     new_pos[:m], i, all_greedy=metadata.all_greedy)
             drafts[i, :m] = tokens
             if q is not None and probs is not None:
                 probs[:m, i] = q
-        per_row = drafts.t().tolist()  # the proposer's one sync; [n][steps]
-        greedy = batch.temperature.np[rows] == 0
-        out: dict[int, list[int]] = {}
-        for j, (row, cap) in enumerate(zip(rows.tolist(), caps.tolist())):  # per request
-            self._proposals[batch.req_ids[row]] = _Proposal(
-                drafts[:cap, j], None if probs is None or greedy[j] else probs[j, :cap])
-            out[row] = per_row[j][:cap]
-        return out
+        return _Launched(rows=rows, drafts=drafts, probs=probs)
 
     def _table_rows(self, table: torch.Tensor, rows_dev: torch.Tensor, n: int) -> torch.Tensor:
         """table[rows] (int32 [n, max_blocks]), written into the draft's persistent FULL-
@@ -379,32 +425,5 @@ class V1DraftProposer:
         self.draft_forward.capture(pool)
 
 
-# A V1 catch-up feeds a row its accepted drafts + 2 tokens: uniform (one q for every row)
-# when the rows accepted alike, which at batch 1 is every step, rarely at large batches.
-# FULL catch-up graphs for q in 2..k + 2 are captured up to this many requests only.
-CATCH_UP_FULL_MAX_REQS = 4
-
-
-def v1_full_query_lens(k: int) -> dict[int, int]:
-    """The uniform query lengths V1's draft captures FULL graphs for (q -> the most
-    requests): its single-token forwards at every size, its catch-ups at small batches."""
-    lens = dict.fromkeys(range(2, k + 3), CATCH_UP_FULL_MAX_REQS)
-    lens[1] = 1 << 30
-    return lens
-
-
 def _head(t: torch.Tensor | None, m: int) -> torch.Tensor | None:
     return None if t is None else t[:m]
-
-
-def fill_slots(
-    table: BlockTable, rows: np.ndarray, positions: np.ndarray, out: np.ndarray
-) -> None:
-    """out = block_table[row, pos // block_size] * block_size + pos % block_size from the
-    host table (BlockTable.compute_slot_mapping's rule, into a buffer of the caller's:
-    the draft's batches are larger than its slot buffer). Any matching shapes."""
-    bs = table.block_size
-    flat = rows.astype(np.int64) * table.max_num_blocks_per_req + positions // bs
-    # int64 arithmetic: block number * block_size may pass int32 on a large cache.
-    np.multiply(table.np.reshape(-1)[flat], np.int64(bs), out=out)
-    out += positions % bs

@@ -115,13 +115,20 @@ class V1Speculator:
         )
 
     # ---- after sampling -----------------------------------------------------------------
-    def propose(self, batch: PersistentBatch, rows: np.ndarray, num_scheduled: np.ndarray,
-                metadata: SamplingMetadata) -> list[list[int]]:
-        """The next step's drafts for the given rows (those that sampled), from the token
-        table with this step's accepted tokens in it. The draft model runs even when no
-        row sampled: its catch-up must still see this step's prefill chunks."""
+    def launch(self, batch: PersistentBatch, num_scheduled: np.ndarray,
+               new_tokens: torch.Tensor, num_new: torch.Tensor | None,
+               metadata: SamplingMetadata) -> None:
+        """Enqueue the draft model behind the step's sampling (draft_model only: ngram
+        reads the host token table, after the sync). It runs even when no row sampled:
+        its catch-up must still see this step's prefill chunks."""
         if self.draft is not None:
-            return self.draft.propose(batch, num_scheduled, rows, metadata)
+            self.draft.launch(batch, num_scheduled, new_tokens, num_new, metadata)
+
+    def propose(self, batch: PersistentBatch, rows: np.ndarray) -> list[list[int]]:
+        """The next step's drafts for the given rows (those that sampled), with this
+        step's accepted tokens in the token table: the launched ones, or ngram's."""
+        if self.draft is not None:
+            return self.draft.collect(batch, rows)
         if rows.size == 0:
             return []
         drafts, counts = self.ngram.propose(batch.token_ids, batch.num_tokens, rows)

@@ -150,10 +150,24 @@ class Sim:
             d, nt = drafts.get(req_id, []), batch.num_tokens[row]
             batch.token_ids[row, nt : nt + len(d)] = d
         self._check_draft_probs(req_ids, num_draft, drafts)
-        sampled = self._sample(req_ids, num_sched, drafts, plan)
-        proposals = self.proposer.propose(
-            batch, np.array([num_sched[r] for r in req_ids], dtype=np.int32),
-            np.array(sampled, dtype=np.int64), metadata)
+        runs = self._sample(req_ids, num_sched, drafts, plan)
+        # the runner's order: launch with the step's tokens on the device (the
+        # RejectionOutput layout: each row's run, -1 padded), then append, then collect
+        width = max([len(r) for r in runs.values()], default=1)
+        new_tokens = torch.full((len(req_ids), width), -1, dtype=torch.int64)
+        num_new = torch.zeros(len(req_ids), dtype=torch.int32)
+        for row, run in runs.items():
+            new_tokens[row, : len(run)] = torch.tensor(run)
+            num_new[row] = len(run)
+        self.proposer.launch(
+            batch, np.array([num_sched[r] for r in req_ids], dtype=np.int32), new_tokens,
+            num_new, metadata)
+        sampled = sorted(runs)
+        for row in sampled:
+            nt = batch.num_tokens[row]
+            batch.token_ids[row, nt : nt + len(runs[row])] = runs[row]
+            batch.num_tokens[row] += len(runs[row])
+        proposals = self.proposer.collect(batch, np.array(sampled, dtype=np.int64))
         assert len(proposals) == len(sampled)
         for row, proposal in zip(sampled, proposals):
             self._check_proposal(self.reqs[req_ids[row]], proposal)
@@ -189,10 +203,11 @@ class Sim:
             req.new = False
         return num_sched, drafts
 
-    def _sample(self, req_ids, num_sched, drafts, plan) -> list[int]:
+    def _sample(self, req_ids, num_sched, drafts, plan) -> dict[int, list[int]]:
         """The target's stand-in: accept the plan's number of drafts, then a random token
-        (different from the first rejected draft). Appends the run; returns sampled rows."""
-        sampled = []
+        (different from the first rejected draft). -> row -> its run (not yet in the
+        batch's token table)."""
+        runs = {}
         for row, req_id in enumerate(req_ids):
             req, s = self.reqs[req_id], num_sched[req_id]
             d = drafts.get(req_id)
@@ -206,12 +221,9 @@ class Sim:
                 token = int(self.rng.integers(self.vocab))
             run = d[:a] + [token]
             req.num_computed += s - (len(d) - a)
-            nt = self.batch.num_tokens[row]
-            self.batch.token_ids[row, nt : nt + len(run)] = run
-            self.batch.num_tokens[row] += len(run)
             req.state.output_token_ids.extend(run)
-            sampled.append(row)
-        return sampled
+            runs[row] = run
+        return runs
 
     def _check_draft_probs(self, req_ids, num_draft, drafts) -> None:
         got = self.proposer.draft_probs_for_step(req_ids, num_draft)

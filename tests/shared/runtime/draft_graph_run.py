@@ -12,7 +12,7 @@ import torch
 
 from policy import EngineArgs
 from policy import config as config_module
-from runner_v1.spec_decode.draft_proposer import v1_full_query_lens
+from runner_v1.spec_decode.draft_inputs import v1_full_query_lens
 from runner_v2.spec_decode.draft_proposer import v2_full_query_lens
 from shared.contract.sampling_params import SamplingParams
 from shared.runtime import draft_graphs
