@@ -30,6 +30,7 @@ from runner_v1.prompt_logprobs import compute_prompt_logprobs_v1
 from runner_v1.request_state import CachedRequestState
 from runner_v1.sampler import Sampler
 from runner_v1.sampling_metadata import SamplingMetadata
+from runner_v1.spec_decode.draft_inputs import StepTokens
 from runner_v1.spec_decode.metadata import (
     SpecDecodeMetadata,
     append_accepted,
@@ -266,9 +267,13 @@ class GPUModelRunner(RunnerSetupMixin):
                        num_new: torch.Tensor | None) -> None:
         """The draft model's forwards, enqueued behind the sampling before the step's one
         sync (so the GPU runs them while the host waits for the tokens)."""
-        if self.speculator is not None:
-            self.speculator.launch(self.persistent_batch, state.inputs.num_scheduled_tokens_np,
-                                   new_tokens, num_new, state.sampling_metadata)
+        if self.speculator is None:
+            return
+        inputs = state.inputs
+        step = StepTokens(inputs.input_ids, inputs.positions, inputs.seq_lens,
+                          inputs.query_start_loc_cpu.numpy())
+        self.speculator.launch(self.persistent_batch, step, inputs.num_scheduled_tokens_np,
+                               new_tokens, num_new, state.sampling_metadata)
 
     def _propose(self, output: ModelRunnerOutput, state: _ExecuteState) -> None:
         """The next step's drafts for every row that sampled (synchronous runs only)."""

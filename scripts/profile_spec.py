@@ -18,7 +18,7 @@ verify), step_gpu_ms_median (verify + LM head + rejection sampler; the draft run
 it), draft_host_ms_median / draft_gpu_ms_median (the proposer's call: host time, and CUDA-
 event time from its first to its last launch), draft_gpu_done_at_host_return (the share
 of steps whose draft GPU work had finished when the host returned from the call: near 1
-means the draft is host-bound; V1's proposer ends in a sync, so it is always 1 there),
+means the draft is host-bound),
 and draft_forwards (the draft's mode counters over the measured steps).
 --kernel-profile N: after the measured steps, N more under torch.profiler (CUDA), and the
 GPU kernels of a step grouped by (name, grid) as scripts/profile_decode.py prints them:
@@ -64,7 +64,8 @@ def draft_forward_of(engine):
 
 
 class DraftTimer:
-    """Wraps the proposer's propose: host time per call and, on CUDA, events around it."""
+    """Wraps the proposer's call that enqueues the draft (V1's launch, V2's propose): host
+    time per call and, on CUDA, events around it."""
 
     def __init__(self, engine, on_cuda: bool) -> None:
         spec = engine.runner.speculator
@@ -73,7 +74,8 @@ class DraftTimer:
         self.host_ms: list[float] = []
         self.done_at_return: list[bool] = []
         self.events: list[tuple] = []
-        real = self.target.propose
+        self.method = "launch" if hasattr(self.target, "launch") else "propose"
+        real = getattr(self.target, self.method)
 
         def timed(*a, **kw):
             start = end = None
@@ -90,14 +92,14 @@ class DraftTimer:
             self.host_ms.append((time.perf_counter() - t0) * 1e3)
             return out
 
-        self.target.propose = timed
+        setattr(self.target, self.method, timed)
 
     def gpu_ms(self) -> list[float]:
         torch.cuda.synchronize()
         return [s.elapsed_time(e) for s, e in self.events]
 
     def remove(self) -> None:
-        del self.target.propose  # the instance attribute: the class's method again
+        delattr(self.target, self.method)  # the instance attribute: the class's method again
 
 
 def profile_kernels(engine, steps: int) -> None:

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from runner_v1.block_table import BlockTable
+from runner_v1.spec_decode.metadata import ragged_arange
 from shared.attention.metadata import PAD_SLOT_ID
 
 # A V1 catch-up feeds a sampled decode row its scheduled drafts + 2 tokens: k + 2 for
@@ -69,6 +69,49 @@ def catch_up_layout(
     end = np.minimum(start + scheduled + sampled, allocated)
     lens = np.maximum(end - start, 0)
     return CatchUpLayout(lens=lens, cu=np.cumsum(lens), sampled=sampled, new_rel=known - start)
+
+
+@dataclass(frozen=True)
+class StepTokens:
+    """The step's flat query on the device, as the target's forward read it (its
+    persistent input buffers: the next step's input prep, later in the stream, is what
+    overwrites them)."""
+
+    input_ids: torch.Tensor  # int32 [>= num_tokens]
+    positions: torch.Tensor  # int64 [>= num_tokens]
+    seq_lens: torch.Tensor  # int32 [>= N]
+    query_start_loc: np.ndarray  # int [N + 1], host
+
+
+def catch_up_sources(
+    layout: CatchUpLayout, query_start_loc: np.ndarray, scheduled: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Host index maps from the catch-up to the step's query: catch-up token t of row b,
+    offset j, is the step's token query_start_loc[b] + j, except the one past a sampled
+    row's query, which repeats the query's last token one position further on (its id
+    is the new token's slot: place_new_tokens overwrites it when it is placed there).
+    -> (source token int64 [T], extra position 0/1 int64 [T], row int64 [T])."""
+    n = layout.lens.shape[0]
+    rows = np.repeat(np.arange(n, dtype=np.int64), layout.lens)
+    offset = ragged_arange(layout.lens)
+    query_len = scheduled[rows]
+    src = query_start_loc[:n].astype(np.int64)[rows] + np.minimum(offset, query_len - 1)
+    return src, (offset >= query_len).astype(np.int64), rows
+
+
+def catch_up_inputs(
+    step: StepTokens, src: torch.Tensor, extra: torch.Tensor, rows: torch.Tensor,
+    block_table: torch.Tensor, block_size: int, input_ids: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The catch-up's tokens (into input_ids[:T]), positions and slots, on the device,
+    from the step's: under async scheduling only the device knows the positions (the
+    host's count every draft of the previous step as accepted). Every position lies in
+    the row's allocated blocks (catch_up_layout cut the rows there). -> (positions int64
+    [T], slots int64 [T])."""
+    torch.index_select(step.input_ids, 0, src, out=input_ids[: src.shape[0]])
+    positions = step.positions.index_select(0, src) + extra
+    blocks = block_table[rows, positions // block_size].to(torch.int64)
+    return positions, blocks * block_size + positions % block_size
 
 
 def place_new_tokens(
@@ -117,16 +160,3 @@ def draft_decode_inputs(
     blocks = block_table[rows[None, :].expand_as(pos), pos // block_size].to(torch.int64)
     slots = torch.where(valid, blocks * block_size + pos % block_size, PAD_SLOT_ID)
     return pos, (pos + 1).to(torch.int32), slots
-
-
-def fill_slots(
-    table: BlockTable, rows: np.ndarray, positions: np.ndarray, out: np.ndarray
-) -> None:
-    """out = block_table[row, pos // block_size] * block_size + pos % block_size from the
-    host table (BlockTable.compute_slot_mapping's rule, into a buffer of the caller's:
-    the draft's batches are larger than its slot buffer). Any matching shapes."""
-    bs = table.block_size
-    flat = rows.astype(np.int64) * table.max_num_blocks_per_req + positions // bs
-    # int64 arithmetic: block number * block_size may pass int32 on a large cache.
-    np.multiply(table.np.reshape(-1)[flat], np.int64(bs), out=out)
-    out += positions % bs

@@ -40,15 +40,15 @@ import torch
 
 from policy.config import EngineConfig
 from policy.model_config import ModelConfig
-from runner_v1.buffers import CpuGpuBuffer
 from runner_v1.persistent_batch import PersistentBatch
-from runner_v1.prepare_inputs import fill_query_start_loc, gather_input_ids
 from runner_v1.sampling_metadata import SamplingMetadata
 from runner_v1.spec_decode.draft_inputs import (
     CatchUpLayout,
+    StepTokens,
+    catch_up_inputs,
     catch_up_layout,
+    catch_up_sources,
     draft_decode_inputs,
-    fill_slots,
     place_new_tokens,
     v1_full_query_lens,
 )
@@ -83,20 +83,15 @@ class _Proposal:
 
 
 class _DraftBuffers:
-    """The proposer's own host/device buffers. The catch-up may hold up to
+    """The proposer's own device buffers. The catch-up may hold up to
     max_num_batched_tokens + max_num_seqs tokens (each sampled row adds its new token),
     more than the runner's input buffers take."""
 
     def __init__(self, max_num_reqs: int, max_tokens: int, device: torch.device) -> None:
-        T, R = max_tokens, max_num_reqs
         # one entry more than a catch-up can use: place_new_tokens' scratch slot
-        self.input_ids = CpuGpuBuffer(T + 1, dtype=torch.int32, device=device)
-        self.positions = CpuGpuBuffer(T, dtype=torch.int64, device=device)
-        self.slot_mapping = CpuGpuBuffer(T, dtype=torch.int64, device=device)
-        self.query_start_loc = CpuGpuBuffer(R + 1, dtype=torch.int32, device=device)
-        self.seq_lens = CpuGpuBuffer(R, dtype=torch.int32, device=device)
+        self.input_ids = torch.zeros(max_tokens + 1, dtype=torch.int32, device=device)
         # query_start_loc of m one-token rows: arange(m + 1)
-        self.arange_cpu = torch.arange(R + 1, dtype=torch.int32)
+        self.arange_cpu = torch.arange(max_num_reqs + 1, dtype=torch.int32)
         self.arange = self.arange_cpu.to(device)
 
 
@@ -133,6 +128,8 @@ class V1DraftProposer:
         if num_speculative_tokens < 1:
             raise ValueError(f"num_speculative_tokens={num_speculative_tokens} must be >= 1")
         self.k = num_speculative_tokens
+        # no sync between steps to trim proposals on: every sampled row drafts k
+        self.async_scheduling = sc.async_scheduling
         self.device = torch.device(device)
         self.max_model_len = sc.max_model_len
         self.max_num_reqs = sc.max_num_seqs
@@ -151,8 +148,7 @@ class V1DraftProposer:
         # the TORCH backend reads exact host seq_lens, which the draft forwards after the
         # catch-up only have on the device
         self.needs_host_seq_lens = config.attention_backend == "TORCH"
-        # The host buffers are rewritten next step: the copies out of them must be done.
-        self._copies_done = torch.cuda.Event() if self.device.type == "cuda" else None
+        self._catch_up_hidden: torch.Tensor | None = None
 
     # ---- set-up ---------------------------------------------------------------------
     def load_model(self) -> None:
@@ -236,28 +232,29 @@ class V1DraftProposer:
     # ---- after sampling, before the step's tokens reach the host -------------------------
     @torch.no_grad()
     def launch(
-        self, batch: PersistentBatch, num_scheduled: np.ndarray, new_tokens: torch.Tensor,
-        num_new: torch.Tensor | None, metadata: SamplingMetadata,
+        self, batch: PersistentBatch, step: StepTokens, num_scheduled: np.ndarray,
+        new_tokens: torch.Tensor, num_new: torch.Tensor | None, metadata: SamplingMetadata,
     ) -> None:
         """Enqueue the catch-up and the draft forwards right behind the step's sampling,
         without waiting for it (draft_inputs.py has the layout).
 
-        Called while the token table still holds this step's query (its drafts in the
-        scratch columns) and num_tokens / num_computed_tokens are from before the step,
-        with the device block table as this step committed it. num_scheduled: int [N],
-        the step's query lengths; new_tokens / num_new: the step's sampled tokens on the
-        device (place_new_tokens). collect() reads the drafts once the step's tokens are
-        on the host."""
+        Called before the step's tokens are in the token table (num_tokens and
+        num_computed_tokens are from before the step: the scheduler's, which count the
+        previous step's drafts as accepted under async scheduling), with the device
+        block table as this step committed it. step: the step's query on the device;
+        num_scheduled: int [N], its query lengths; new_tokens / num_new: the step's
+        sampled tokens on the device (place_new_tokens). The proposals are kept at once
+        (each its upper-bound cap); collect() trims them once the step's tokens are on
+        the host, under the synchronous loop."""
         n = batch.num_reqs
-        if self._copies_done is not None:
-            self._copies_done.synchronize()  # the previous launch's pinned copies
         self._pending = None
         if n == 0:
             return
         start = batch.num_computed_tokens[:n].astype(np.int64)
         known = batch.num_tokens[:n].astype(np.int64)
+        scheduled = num_scheduled[:n].astype(np.int64)
         allocated = batch.block_table.num_blocks_per_row[:n].astype(np.int64) * self.block_size
-        layout = catch_up_layout(start, num_scheduled[:n].astype(np.int64), known, allocated)
+        layout = catch_up_layout(start, scheduled, known, allocated)
         for row in np.flatnonzero(layout.sampled).tolist():  # verified this step
             self._proposals.pop(batch.req_ids[row], None)
         if layout.total == 0:
@@ -267,32 +264,41 @@ class V1DraftProposer:
                 f"draft catch-up of {layout.total} tokens exceeds max_num_batched_tokens + "
                 f"max_num_seqs = {self.max_catch_up_tokens}")
         # Each proposing row drafts at most this many (its new token at the earliest,
-        # known); collect() trims to the exact cap once the accepted count is known.
+        # known); collect() trims to the exact cap. Under async scheduling nothing trims
+        # on the host: every sampled row drafts k (the scheduler trims what it verifies).
         cap_hi = np.minimum(self.k, np.minimum(self.max_model_len - known - 2, allocated - known))
+        if self.async_scheduling:
+            cap_hi = np.full(n, self.k, dtype=np.int64)
         rows = np.flatnonzero(layout.sampled & (cap_hi > 0))
         # Largest cap first: at draft forward i the rows still drafting are a prefix.
         rows = rows[np.argsort(-cap_hi[rows], kind="stable")]
-        limit = np.where(layout.sampled, layout.lens, 0)
-        start_dev, row_start, new_rel, limit_dev, rows_dev, row_limit = copy_packed_to_device(
-            [start, layout.cu - layout.lens, layout.new_rel, limit, rows,
-             np.minimum(allocated[rows], self.max_model_len)], self.device)
-        hidden, new_rel_dev, placed = self._catch_up(
-            batch, start, layout, new_tokens, num_new, (row_start, new_rel, limit_dev))
+        src, extra, req = catch_up_sources(layout, step.query_start_loc, scheduled)
+        # one pinned copy, fresh (no barrier: the host may change its arrays at once)
+        qsl = np.zeros(n + 1, dtype=np.int32)
+        qsl[1:] = layout.cu
+        (src, extra, req, row_start, new_rel, limit, lens_delta, rows_dev, row_limit, qsl_dev,
+         ) = copy_packed_to_device([
+            src, extra, req, layout.cu - layout.lens, layout.new_rel,
+            np.where(layout.sampled, layout.lens, 0), layout.lens - scheduled, rows,
+            np.minimum(allocated[rows], self.max_model_len), qsl], self.device)
+        positions, new_rel, placed = self._catch_up(
+            batch, step, layout, (src, extra, req, lens_delta), (qsl, qsl_dev),
+            new_tokens, num_new, (row_start, new_rel, limit))
         if rows.size:
-            new_index = torch.where(placed, row_start + new_rel_dev, row_start + limit_dev - 1)
+            new_index = torch.where(placed, row_start + new_rel, row_start + limit - 1)
+            new_index = new_index.index_select(0, rows_dev)
             self._pending = self._draft(
-                batch, hidden.index_select(0, new_index.index_select(0, rows_dev)),
-                (start_dev + new_rel_dev).index_select(0, rows_dev), rows, rows_dev, row_limit,
-                cap_hi[rows], known[rows] + num_scheduled[rows].astype(np.int64), metadata)
-        if self._copies_done is not None:
-            self._copies_done.record()
+                batch, self._catch_up_hidden.index_select(0, new_index),
+                positions.index_select(0, new_index), rows, rows_dev, row_limit,
+                cap_hi[rows], start[rows] + scheduled[rows], metadata)
+        self._catch_up_hidden = None
 
     # ---- after the step's tokens are in the token table -------------------------------
     def collect(self, batch: PersistentBatch, sampled_rows: np.ndarray) -> list[list[int]]:
         """The launched drafts of `sampled_rows` (in their order), each trimmed to its
         cap: min(k, max_model_len - known - 1, allocated - known + 1) with known the
         row's num_tokens, now that the step's accepted run is appended ([] where a cap
-        leaves none). The verify's rows keep their q for the next step's sampler."""
+        leaves none); a trimmed proposal keeps only what is handed out."""
         pending, self._pending = self._pending, None
         if pending is None:
             return [[] for _ in sampled_rows.tolist()]
@@ -302,52 +308,50 @@ class V1DraftProposer:
         caps = np.minimum(self.k, np.minimum(self.max_model_len - known - 1,
                                              allocated - known + 1))
         per_row = pending.drafts.t().tolist()  # the step has synced already: [n][steps]
-        greedy = batch.temperature.np[pending.rows] == 0
         out: dict[int, list[int]] = {}
         for j, (row, cap) in enumerate(zip(pending.rows.tolist(), caps.tolist())):
+            req_id = batch.req_ids[row]
             if cap <= 0:
+                self._proposals.pop(req_id, None)
                 continue
-            probs = None if pending.probs is None or greedy[j] else pending.probs[j, :cap]
-            self._proposals[batch.req_ids[row]] = _Proposal(pending.drafts[:cap, j], probs)
+            p = self._proposals[req_id]
+            self._proposals[req_id] = _Proposal(p.tokens[:cap], None if p.probs is None else p.probs[:cap])
             out[row] = per_row[j][:cap]
         return [out.get(row, []) for row in sampled_rows.tolist()]
 
     def _catch_up(
-        self, batch: PersistentBatch, start: np.ndarray, layout: CatchUpLayout,
-        new_tokens: torch.Tensor, num_new: torch.Tensor | None,
-        placement: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+        self, batch: PersistentBatch, step: StepTokens, layout: CatchUpLayout,
+        sources: tuple[torch.Tensor, ...], qsl: tuple[np.ndarray, torch.Tensor],
+        new_tokens: torch.Tensor,
+        num_new: torch.Tensor | None, placement: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """One forward over every row's layout: the tokens from the host token table,
-        slots from the host block table, the new tokens placed on the device. -> (hidden
-        states, each row's new-token index in its row, whether it was placed)."""
-        n = start.shape[0]
-        b = self.buffers
-        lens, total = layout.lens, layout.total
-        req_idx = np.repeat(np.arange(n, dtype=np.int64), lens)
-        positions = b.positions.np[:total]
-        np.add(np.repeat(start, lens), ragged_arange(lens), out=positions)
-        gather_input_ids(batch.token_ids_cpu, req_idx, positions, b.input_ids.cpu[:total])
-        fill_slots(batch.block_table, req_idx, positions, b.slot_mapping.np[:total])
-        fill_query_start_loc(layout.cu, b.query_start_loc.np[: n + 1])
-        end = start + lens
-        b.seq_lens.np[:n] = end
-        num_decodes = count_leading_decodes(lens)
-        step = _DraftStepBatch(
-            query_start_loc=b.query_start_loc.copy_to_gpu(n + 1),
-            seq_lens=b.seq_lens.copy_to_gpu(n),
-            num_reqs=n, num_tokens=total, max_query_len=int(lens.max()),
-            max_seq_len=int(end.max()), num_decodes=num_decodes, num_decode_tokens=num_decodes,
+        """One forward over every row's layout, its inputs gathered on the device from the
+        step's (catch_up_inputs), the new tokens placed (place_new_tokens). Keeps the
+        hidden states in self._catch_up_hidden. -> (the catch-up's positions, each row's
+        new-token index in its row, whether it was placed)."""
+        n, total = layout.lens.shape[0], layout.total
+        src, extra, req, lens_delta = sources
+        ids = self.buffers.input_ids
+        positions, slots = catch_up_inputs(
+            step, src, extra, req, batch.block_table.block_table.gpu, self.block_size, ids)
+        # ids' last entry is the scratch slot: a catch-up never reaches it
+        new_rel, placed = place_new_tokens(ids, ids.shape[0] - 1, new_tokens, num_new, *placement)
+        seq_lens = step.seq_lens[:n] + lens_delta.to(torch.int32)
+        start = batch.num_computed_tokens[:n].astype(np.int64)
+        # the host's lengths: exact, or an upper bound while the previous step is in flight
+        end = start + layout.lens
+        num_decodes = count_leading_decodes(layout.lens)
+        batch_desc = _DraftStepBatch(
+            query_start_loc=qsl[1], seq_lens=seq_lens, num_reqs=n, num_tokens=total,
+            max_query_len=int(layout.lens.max()), max_seq_len=int(end.max()),
+            num_decodes=num_decodes, num_decode_tokens=num_decodes,
         )
-        ids = b.input_ids.copy_to_gpu(total)
-        # the buffer's last entry is the scratch slot: total never reaches it
-        new_rel, placed = place_new_tokens(
-            b.input_ids.gpu, b.input_ids.gpu.shape[0] - 1, new_tokens, num_new, *placement)
-        hidden = self._forward(
-            step, ids, b.positions.copy_to_gpu(total),
-            batch.block_table.block_table.gpu[:n], b.slot_mapping.copy_to_gpu(total),
-            b.query_start_loc.cpu[: n + 1], b.seq_lens.cpu[:n],
-        )
-        return hidden, new_rel, placed
+        host_lens = (seq_lens.cpu() if self.needs_host_seq_lens
+                     else torch.from_numpy(end.astype(np.int32)))
+        self._catch_up_hidden = self._forward(
+            batch_desc, ids[:total], positions, batch.block_table.block_table.gpu[:n], slots,
+            torch.from_numpy(qsl[0]), host_lens)
+        return positions, new_rel, placed
 
     def _draft(
         self, batch: PersistentBatch, hidden: torch.Tensor, new_pos: torch.Tensor,
@@ -399,6 +403,10 @@ class V1DraftProposer:
             drafts[i, :m] = tokens
             if q is not None and probs is not None:
                 probs[:m, i] = q
+        greedy = batch.temperature.np[rows] == 0
+        for j, (row, cap) in enumerate(zip(rows.tolist(), caps.tolist())):  # per request
+            self._proposals[batch.req_ids[row]] = _Proposal(
+                drafts[:cap, j], None if probs is None or greedy[j] else probs[j, :cap])
         return _Launched(rows=rows, drafts=drafts, probs=probs)
 
     def _table_rows(self, table: torch.Tensor, rows_dev: torch.Tensor, n: int) -> torch.Tensor:

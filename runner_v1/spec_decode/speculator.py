@@ -19,6 +19,7 @@ import torch
 
 from runner_v1.persistent_batch import PersistentBatch
 from runner_v1.sampling_metadata import SamplingMetadata
+from runner_v1.spec_decode.draft_inputs import StepTokens
 from runner_v1.spec_decode.draft_proposer import V1DraftProposer
 from runner_v1.spec_decode.metadata import SpecDecodeMetadata, ragged_arange
 from runner_v1.spec_decode.ngram_proposer import NgramProposer
@@ -115,14 +116,14 @@ class V1Speculator:
         )
 
     # ---- after sampling -----------------------------------------------------------------
-    def launch(self, batch: PersistentBatch, num_scheduled: np.ndarray,
+    def launch(self, batch: PersistentBatch, step: StepTokens, num_scheduled: np.ndarray,
                new_tokens: torch.Tensor, num_new: torch.Tensor | None,
                metadata: SamplingMetadata) -> None:
         """Enqueue the draft model behind the step's sampling (draft_model only: ngram
         reads the host token table, after the sync). It runs even when no row sampled:
         its catch-up must still see this step's prefill chunks."""
         if self.draft is not None:
-            self.draft.launch(batch, num_scheduled, new_tokens, num_new, metadata)
+            self.draft.launch(batch, step, num_scheduled, new_tokens, num_new, metadata)
 
     def propose(self, batch: PersistentBatch, rows: np.ndarray) -> list[list[int]]:
         """The next step's drafts for the given rows (those that sampled), with this

@@ -26,6 +26,7 @@ from policy import EngineArgs
 from policy.model_config import build_model_config
 from runner_v1.persistent_batch import PersistentBatch
 from runner_v1.request_state import CachedRequestState
+from runner_v1.spec_decode.draft_inputs import StepTokens
 from runner_v1.spec_decode.draft_proposer import V1DraftProposer
 from shared.contract.sampling_params import SamplingParams
 from shared.sampling.noise import DRAFT_SALT
@@ -159,9 +160,8 @@ class Sim:
         for row, run in runs.items():
             new_tokens[row, : len(run)] = torch.tensor(run)
             num_new[row] = len(run)
-        self.proposer.launch(
-            batch, np.array([num_sched[r] for r in req_ids], dtype=np.int32), new_tokens,
-            num_new, metadata)
+        sched = np.array([num_sched[r] for r in req_ids], dtype=np.int32)
+        self.proposer.launch(batch, self._step_tokens(sched), sched, new_tokens, num_new, metadata)
         sampled = sorted(runs)
         for row in sampled:
             nt = batch.num_tokens[row]
@@ -176,6 +176,21 @@ class Sim:
                 batch.remove_request(req_id)
                 self.proposer.remove(req_id)
                 del self.reqs[req_id]
+
+    def _step_tokens(self, sched: np.ndarray) -> StepTokens:
+        """The step's query as the target's forward read it, from the test's own
+        bookkeeping (each row's tokens from position num_computed on, its drafts past
+        its known tokens)."""
+        ids, positions, seq_lens, qsl = [], [], [], [0]
+        for row in range(self.batch.num_reqs):
+            c = int(self.batch.num_computed_tokens[row])
+            n = int(sched[row])
+            ids += self.batch.token_ids[row, c : c + n].tolist()  # drafts written past
+            positions += list(range(c, c + n))
+            seq_lens.append(c + n)
+            qsl.append(qsl[-1] + n)
+        return StepTokens(torch.tensor(ids, dtype=torch.int32), torch.tensor(positions),
+                          torch.tensor(seq_lens, dtype=torch.int32), np.array(qsl))
 
     def _schedule(self, plan):
         num_sched, drafts = {}, {}
