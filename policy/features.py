@@ -134,12 +134,21 @@ FEATURES: tuple[Feature, ...] = (
         "keeps placeholders on the host until they land; V2 reads them on the device",
     ),
     Feature(
-        "async scheduling with speculative decoding", UNSUPPORTED, SUPPORTED,
+        "async scheduling with draft_model speculative decoding", SUPPORTED, SUPPORTED,
         "async_scheduling=False",
-        lambda s: bool(s["async_scheduling"]) and s["speculative_config"] is not None,
-        "vLLM's V1 plans ahead with optimistic placeholders and corrections; here V1's "
-        "drafts are made on the host from landed tokens, so only V2 (drafts on the "
-        "device, accepted counts read on the device) schedules ahead of them",
+        lambda s: bool(s["async_scheduling"]) and _spec(s, "method", "draft_model"),
+        "both runners plan a step before the previous one's drafts and accepted counts "
+        "reach the host: V2 keeps them on the device; V1 schedules placeholder drafts "
+        "and moves each row back by its rejected drafts on the device, as vLLM's V1 "
+        "does with its optimistic placeholders and corrections",
+    ),
+    Feature(
+        "async scheduling with ngram speculative decoding", UNSUPPORTED, UNSUPPORTED,
+        "async_scheduling=False",
+        lambda s: bool(s["async_scheduling"]) and _spec(s, "method", "ngram"),
+        "V1's ngram proposer reads the landed tokens in the host token table, so it "
+        "cannot run a step ahead of them (vLLM added a GPU ngram for that); V2 has no "
+        "ngram proposer",
     ),
     Feature(
         "tensor parallelism > 1", SUPPORTED, SUPPORTED, "tensor_parallel_size=1",

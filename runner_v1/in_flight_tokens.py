@@ -16,10 +16,16 @@ does what vLLM retrofitted into its V1 runner:
 Only the most recent step's tokens can still be placeholders when inputs are prepared:
 the engine keeps one step in flight and reads each step's output before it launches
 the step after the next, and every older record is landed first.
+
+With speculative decoding (draft_model; runner_v1/spec_decode/async_spec.py) a verify
+row holds 1 + d placeholders, the scheduler's optimistic count (every draft accepted):
+the record keeps how many of them the device rejected, so the next step's input prep
+can move that row's positions back (`rejected_by_row`), and landing drops them.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
@@ -28,7 +34,9 @@ import torch
 from runner_v1.buffers import CpuGpuBuffer
 from runner_v1.persistent_batch import PersistentBatch
 from runner_v1.request_state import CachedRequestState
+from runner_v1.spec_decode.metadata import append_accepted
 from shared.runtime.async_output import AsyncModelRunnerOutput
+from shared.runtime.host_buffers import copy_packed_to_device
 
 # Not a vocabulary id: a gathered PLACEHOLDER is either scattered over before the
 # forward or caught by the consistency check in scatter_into_input_ids.
@@ -48,6 +56,10 @@ class _InFlightStep:
     output_index: tuple[int, ...]
     # the sampled rows are exactly 0..len-1 (a steady decode), with these request ids
     dense_req_ids: tuple[str, ...] | None
+    # speculative steps: placeholders per sampled row (1 + its drafts), and the drafts
+    # the device rejected per batch row (int32 [num_reqs]); None for a plain step
+    num_placeholders: tuple[int, ...] | None = None
+    num_rejected: torch.Tensor | None = None
 
 
 class InFlightTokens:
@@ -72,19 +84,30 @@ class InFlightTokens:
         rows: np.ndarray,
         sampled: torch.Tensor,
         output: AsyncModelRunnerOutput,
+        num_placeholders: np.ndarray | None = None,
+        num_rejected: torch.Tensor | None = None,
     ) -> None:
         """Write a PLACEHOLDER for the token each row in `rows` sampled (states[i] is
-        row rows[i]'s request) and remember where its value must go."""
-        batch.append_output_tokens(rows, np.full(rows.shape[0], PLACEHOLDER, dtype=np.int32))
+        row rows[i]'s request) and remember where its value must go. A speculative step
+        passes num_placeholders (per sampled row: 1 + its drafts) and num_rejected (the
+        device's count per batch row); `sampled` is then each row's last token."""
+        if num_placeholders is None:
+            batch.append_output_tokens(rows, np.full(rows.shape[0], PLACEHOLDER, dtype=np.int32))
+            counts = [1] * rows.shape[0]
+        else:
+            counts = num_placeholders.tolist()
+            holes = np.full((rows.shape[0], max(counts, default=1)), PLACEHOLDER, dtype=np.int32)
+            append_accepted(batch, rows, holes, num_placeholders)
         index = []
-        for state in states:  # per request, not per token
+        for state, c in zip(states, counts):  # per request, not per token
             index.append(len(state.output_token_ids))
-            state.output_token_ids.append(PLACEHOLDER)
+            state.output_token_ids.extend([PLACEHOLDER] * c)
         rows_list = rows.tolist()
         dense = rows_list == list(range(len(rows_list)))
         self._steps.append(_InFlightStep(
             output, sampled, tuple(states), tuple(rows_list), tuple(index),
-            tuple(state.req_id for state in states) if dense else None))
+            tuple(state.req_id for state in states) if dense else None,
+            None if num_placeholders is None else tuple(counts), num_rejected))
 
     # ---- landing --------------------------------------------------------------------
     def land(self, batch: PersistentBatch, keep_latest: bool) -> None:
@@ -96,6 +119,9 @@ class InFlightTokens:
 
     def _land_step(self, batch: PersistentBatch, step: _InFlightStep) -> None:
         tokens = step.output.get_output().sampled_token_ids  # waits for the copy
+        if step.num_placeholders is not None:
+            self._land_spec_step(batch, step, tokens)
+            return
         rows, cols, values = [], [], []
         for state, row, k in zip(step.states, step.rows, step.output_index):
             token = tokens[row][0]
@@ -109,6 +135,57 @@ class InFlightTokens:
                 values.append(token)
         if rows:
             batch.token_ids[rows, cols] = values
+
+    def _land_spec_step(self, batch: PersistentBatch, step: _InFlightStep,
+                        tokens: list[list[int]]) -> None:
+        """Each row's accepted run replaces its 1 + d placeholders: the rejected ones
+        leave the output list and the token table (the placeholders a later step added
+        move back with them: every one is a PLACEHOLDER, so only counts change), and
+        the later record's indices into the same lists move back too."""
+        shift: dict[int, tuple[int, int]] = {}  # id(output list) -> (index, rejected)
+        for state, row, k, c in zip(step.states, step.rows, step.output_index,
+                                    step.num_placeholders):  # per request
+            run = tokens[row]
+            state.output_token_ids[k : k + c] = run
+            rejected = c - len(run)
+            shift[id(state.output_token_ids)] = (k, rejected)
+            at = batch.req_id_to_index.get(state.req_id)
+            if at is not None and batch.req_output_token_ids[at] is state.output_token_ids:
+                col = state.prompt_len + k
+                batch.token_ids[at, col : col + len(run)] = run
+                batch.token_ids[at, col + len(run) : col + c] = PLACEHOLDER
+                batch.num_tokens[at] -= rejected
+        if self._steps and shift:
+            later = self._steps[0]
+            index = tuple(
+                k - shift[id(s.output_token_ids)][1]
+                if id(s.output_token_ids) in shift and k > shift[id(s.output_token_ids)][0] else k
+                for s, k in zip(later.states, later.output_index))
+            self._steps[0] = dataclasses.replace(later, output_index=index)
+
+    # ---- speculative decoding -------------------------------------------------------
+    def rejected_by_row(
+        self, req_ids: list[str], requests: dict[str, CachedRequestState],
+    ) -> torch.Tensor | None:
+        """int32 [len(req_ids)] on the device: the drafts the most recent step rejected
+        for the request now in each row (0 where it did not verify there), or None when
+        that step verified none. Its positions and lengths are the scheduler's minus
+        this (the scheduler counted every draft as accepted)."""
+        latest = self._steps[-1] if self._steps else None
+        if latest is None or latest.num_rejected is None:
+            return None
+        if (latest.dense_req_ids is not None and tuple(req_ids) == latest.dense_req_ids
+                and all(requests[r] is s for r, s in zip(req_ids, latest.states))):
+            # the same requests in the same rows (identity: a resubmitted id is new)
+            return latest.num_rejected[: len(req_ids)]
+        src_of = {id(state): row for state, row in zip(latest.states, latest.rows)}
+        src = np.fromiter((src_of.get(id(requests[r]), -1) for r in req_ids),
+                          dtype=np.int64, count=len(req_ids))
+        # a fresh pinned copy: scatter_into_input_ids' buffers are in flight this step
+        index, present = copy_packed_to_device(
+            [np.maximum(src, 0), (src >= 0).astype(np.int32)], latest.num_rejected.device)
+        rejected = latest.num_rejected.index_select(0, index) * present
+        return rejected
 
     # ---- input prep -----------------------------------------------------------------
     def scatter_into_input_ids(

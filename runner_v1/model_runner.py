@@ -10,6 +10,7 @@ async scheduling the tokens go back as placeholders whose values land later
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import logging
 from collections.abc import Iterator
@@ -30,11 +31,11 @@ from runner_v1.prompt_logprobs import compute_prompt_logprobs_v1
 from runner_v1.request_state import CachedRequestState
 from runner_v1.sampler import Sampler
 from runner_v1.sampling_metadata import SamplingMetadata
+from runner_v1.spec_decode.async_spec import correct_positions, record_spec_step
 from runner_v1.spec_decode.draft_inputs import StepTokens
 from runner_v1.spec_decode.metadata import (
     SpecDecodeMetadata,
     append_accepted,
-    build_spec_decode_metadata,
 )
 from runner_v1.spec_decode.rejection_sampler import RejectionOutput
 from runner_v1.spec_decode.speculator import V1Speculator
@@ -114,6 +115,10 @@ class GPUModelRunner(RunnerSetupMixin):
         self.speculator = (
             None if spec is None else V1Speculator(config, device)
         )
+        # a draft model's proposals never leave the device (ngram's are host lists): the
+        # scheduler may then plan a step before the previous one's drafts are known
+        self.keeps_drafts_on_device = (
+            self.speculator is not None and self.speculator.draft is not None)
 
     # ---- runner protocol: set-up (load_model, KV sizing: RunnerSetupMixin) ----------
     def capture_model(self) -> None:
@@ -162,21 +167,20 @@ class GPUModelRunner(RunnerSetupMixin):
                 batch, num_scheduled, self.buffers, plan.num_tokens_padded, plan.num_reqs_padded,
                 num_draft,
             )
-            spec = None
+            spec = draft_index = None
             if num_draft is not None:
-                spec = build_spec_decode_metadata(
-                    num_draft, inputs.query_start_loc_cpu.numpy(), drafts, self.device)
-            if self.in_flight:
-                self.in_flight.scatter_into_input_ids(
-                    self.buffers.input_ids.np[: inputs.num_tokens],
-                    inputs.query_start_loc_cpu[1 : inputs.num_reqs + 1].numpy(),
-                    req_ids, self.requests, inputs.input_ids,
-                )
+                spec, draft_index = self.speculator.prepare_step(
+                    inputs, req_ids, num_draft, drafts)
+            moved = bool(self.in_flight) and self._land_in_flight_inputs(inputs, req_ids, draft_index)
             attn_metadata = None
             if plan.mode != "FULL":  # a FULL replay reads the persistent buffers directly
                 common = inputs.common_attn_metadata(
                     batch.block_table.block_table.gpu, self.block_size
                 )
+                if moved and self.config.attention_backend == "TORCH":
+                    # it reads host lengths: the device's, moved back (a sync)
+                    common = dataclasses.replace(
+                        common, seq_lens_cpu=inputs.seq_lens[: inputs.num_reqs_padded].cpu())
                 attn_metadata = self.executor.build_attn_metadata(common)
             sampling_metadata = self._refresh_sampling_metadata()
         self.timer.stats.cudagraph_mode = plan.mode
@@ -184,6 +188,28 @@ class GPUModelRunner(RunnerSetupMixin):
             hidden = self.graphs.run(plan, inputs, attn_metadata)
         self._state = _ExecuteState(inputs, hidden, sampling_metadata, req_ids, spec)
         return None
+
+    def _land_in_flight_inputs(self, inputs: PreparedInputs, req_ids: list[str],
+                               draft_index: np.ndarray | None) -> bool:
+        """Async scheduling: the latest step's sampled tokens into this step's input ids,
+        and (speculative decoding) each row moved back by the drafts that step rejected
+        (runner_v1/spec_decode/async_spec.py). -> whether any row was moved."""
+        host_ids = self.buffers.input_ids.np[: inputs.num_tokens]
+        if draft_index is not None and draft_index.size:
+            host_ids = host_ids.copy()  # the drafts' placeholders are not sampled tokens
+            host_ids[draft_index] = 0
+        self.in_flight.scatter_into_input_ids(
+            host_ids, inputs.query_start_loc_cpu[1 : inputs.num_reqs + 1].numpy(),
+            req_ids, self.requests, inputs.input_ids,
+        )
+        rejected = self.in_flight.rejected_by_row(req_ids, self.requests)
+        if rejected is None:
+            return False
+        n = inputs.num_reqs
+        correct_positions(
+            inputs, rejected, self.persistent_batch.block_table.block_table.gpu,
+            self.block_size, np.repeat(np.arange(n), inputs.num_scheduled_tokens_np[:n]))
+        return True
 
     def _refresh_sampling_metadata(self) -> SamplingMetadata:
         """The sampler's view of the batch; the step's row changes go to the custom
@@ -243,14 +269,16 @@ class GPUModelRunner(RunnerSetupMixin):
             logits, state.sampling_metadata, positions, md, state.req_ids))
 
     def _spec_bookkeeping(self, state: _ExecuteState, out: RejectionOutput) -> ModelRunnerOutput:
-        """The accepted runs into the batch and the requests (synchronous: see
-        runner_v1/spec_decode/speculator.py)."""
-        tokens = out.output_token_ids.cpu().numpy()  # the step's one sync
-        counts = out.num_sampled.cpu().numpy().astype(np.int64)
+        """The accepted runs into the batch and the requests; under async scheduling
+        placeholders instead, the values on their way (async_spec.record_spec_step)."""
         batch = self.persistent_batch
         n = state.inputs.num_reqs
         # a partial prefill chunk samples nothing (its row has no drafts)
         rows = np.flatnonzero(state.inputs.seq_lens_cpu[:n].numpy() >= batch.num_tokens[:n])
+        if self.async_scheduling:
+            return record_spec_step(self, state.req_ids, rows, state.spec.num_draft_tokens, out)
+        tokens = out.output_token_ids.cpu().numpy()  # the step's one sync
+        counts = out.num_sampled.cpu().numpy().astype(np.int64)
         append_accepted(batch, rows, tokens[rows], counts[rows])
         sampled: list[list[int]] = [[] for _ in range(n)]
         for row in rows.tolist():  # per request: its accepted run

@@ -199,17 +199,7 @@ class V1DraftProposer:
         request's first num_draft_tokens[row] (the scheduler may trim the tail of a
         proposal, never its head). A greedy row gets one-hot rows at its draft tokens so
         the tensor is defined everywhere. None when no drafted row samples randomly."""
-        rows = np.flatnonzero(num_draft_tokens)
-        counts = num_draft_tokens[rows].astype(np.int64)
-        props = []
-        for row, count in zip(rows.tolist(), counts.tolist()):  # per drafted request
-            p = self._proposals.get(req_ids[row])
-            if p is None or count > p.tokens.shape[0]:
-                have = 0 if p is None else p.tokens.shape[0]
-                raise RuntimeError(
-                    f"request {req_ids[row]!r} is scheduled with {count} drafts but the draft "
-                    f"proposer holds {have} for it: the scheduler and the runner disagree")
-            props.append(p)
+        props, counts = self._scheduled(req_ids, num_draft_tokens)
         is_random = np.array([p.probs is not None for p in props], dtype=bool)
         if not is_random.any():
             return None
@@ -228,6 +218,32 @@ class V1DraftProposer:
             tokens = torch.cat([props[i].tokens[: counts[i]] for i in greedy_rows])
             out[flat_rows(~is_random), tokens] = 1.0
         return out
+
+    def draft_tokens_for_step(
+        self, req_ids: Sequence[str], num_draft_tokens: np.ndarray
+    ) -> torch.Tensor:
+        """The step's drafts on the device, int64 [sum drafts], rows in batch-row order,
+        each request's first num_draft_tokens[row] (what the verify checks: under async
+        scheduling the host only has placeholders for them)."""
+        props, counts = self._scheduled(req_ids, num_draft_tokens)
+        return torch.cat([p.tokens[:c] for p, c in zip(props, counts.tolist())])
+
+    def _scheduled(
+        self, req_ids: Sequence[str], num_draft_tokens: np.ndarray
+    ) -> tuple[list[_Proposal], np.ndarray]:
+        """The proposals of the rows with drafts this step, and their draft counts."""
+        rows = np.flatnonzero(num_draft_tokens)
+        counts = num_draft_tokens[rows].astype(np.int64)
+        props = []
+        for row, count in zip(rows.tolist(), counts.tolist()):  # per drafted request
+            p = self._proposals.get(req_ids[row])
+            if p is None or count > p.tokens.shape[0]:
+                have = 0 if p is None else p.tokens.shape[0]
+                raise RuntimeError(
+                    f"request {req_ids[row]!r} is scheduled with {count} drafts but the draft "
+                    f"proposer holds {have} for it: the scheduler and the runner disagree")
+            props.append(p)
+        return props, counts
 
     # ---- after sampling, before the step's tokens reach the host -------------------------
     @torch.no_grad()

@@ -25,10 +25,12 @@ class SpecDecodeMetadata:
 
 def build_spec_decode_metadata(
     num_draft_tokens: np.ndarray, query_start_loc_np: np.ndarray, draft_token_ids: np.ndarray,
-    device: torch.device,
+    device: torch.device, device_draft_token_ids: torch.Tensor | None = None,
 ) -> SpecDecodeMetadata:
     """A row with d drafts samples from its last d + 1 tokens: [end - d - 1, end). All
-    vectorised: the logit rows' offsets are a global arange minus each row's start."""
+    vectorised: the logit rows' offsets are a global arange minus each row's start.
+    device_draft_token_ids: the drafts already on the device (a draft model's), which
+    replace the host's draft_token_ids (placeholders under async scheduling)."""
     n = num_draft_tokens.shape[0]
     num_logits = num_draft_tokens.astype(np.int64) + 1
     cu = np.zeros(n + 1, dtype=np.int64)
@@ -39,6 +41,8 @@ def build_spec_decode_metadata(
     # one pinned copy for both (input prep: on the critical path before the verify)
     logits_indices, draft_ids = copy_packed_to_device(
         [logits_indices_np, draft_token_ids.astype(np.int64)], device)
+    if device_draft_token_ids is not None:
+        draft_ids = device_draft_token_ids
     return SpecDecodeMetadata(
         num_draft_tokens=num_draft_tokens,
         cu_num_logits=cu.astype(np.int32),

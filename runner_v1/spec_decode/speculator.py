@@ -18,12 +18,19 @@ import numpy as np
 import torch
 
 from runner_v1.persistent_batch import PersistentBatch
+from runner_v1.prepare_inputs import PreparedInputs
 from runner_v1.sampling_metadata import SamplingMetadata
+from runner_v1.spec_decode.async_spec import draft_positions, fill_drafts
 from runner_v1.spec_decode.draft_inputs import StepTokens
 from runner_v1.spec_decode.draft_proposer import V1DraftProposer
-from runner_v1.spec_decode.metadata import SpecDecodeMetadata, ragged_arange
+from runner_v1.spec_decode.metadata import (
+    SpecDecodeMetadata,
+    build_spec_decode_metadata,
+    ragged_arange,
+)
 from runner_v1.spec_decode.ngram_proposer import NgramProposer
 from runner_v1.spec_decode.rejection_sampler import RejectionOutput, rejection_sample
+from shared.runtime.host_buffers import copy_packed_to_device
 
 
 class V1Speculator:
@@ -101,6 +108,24 @@ class V1Speculator:
         counts = num_draft[rows]
         cols = np.repeat(batch.num_tokens[rows].astype(np.int64), counts) + ragged_arange(counts)
         return num_draft, batch.token_ids[np.repeat(rows, counts), cols].astype(np.int64)
+
+    def prepare_step(
+        self, inputs: PreparedInputs, req_ids: list[str], num_draft: np.ndarray,
+        drafts: np.ndarray,
+    ) -> tuple[SpecDecodeMetadata, np.ndarray | None]:
+        """The step's spec-decode metadata. draft_model: the drafts come from the
+        proposals on the device, written into the input ids there too (under async
+        scheduling the host holds placeholders for them). -> (metadata, the drafts'
+        flat token indices, or None for ngram, whose host drafts are the real ones)."""
+        qsl = inputs.query_start_loc_cpu.numpy()
+        if self.draft is None:
+            return build_spec_decode_metadata(num_draft, qsl, drafts, self.device), None
+        index = draft_positions(inputs, num_draft)
+        index_dev, = copy_packed_to_device([index], self.device)
+        device_drafts = self.draft.draft_tokens_for_step(req_ids, num_draft)
+        fill_drafts(inputs.input_ids, index_dev, device_drafts)
+        md = build_spec_decode_metadata(num_draft, qsl, drafts, self.device, device_drafts)
+        return md, index
 
     # ---- sampling -----------------------------------------------------------------------
     def sample(

@@ -46,7 +46,10 @@ def resolve_engine_loops(args: argparse.Namespace, runners: list[str]) -> Engine
         return EngineLoops(("sync",), loops.requested)
     if SPEC not in workloads:
         return loops
-    spec = spec_engine_loop(requested, runners, alone=workloads == [SPEC])
+    # the default configs are draft_model ones (spec_args.default_spec_configs)
+    configs = getattr(args, "spec_configs", None) or [{"method": "draft_model"}]
+    spec = spec_engine_loop(requested, runners, alone=workloads == [SPEC],
+                            methods=[c.get("method", "draft_model") for c in configs])
     if spec.refusal:
         raise Refused(spec.refusal)
     if workloads == [SPEC]:  # (its engines are the report's: spec_workload.run_spec)

@@ -17,6 +17,7 @@ import argparse
 import dataclasses
 import json
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,9 +30,15 @@ SPEC_FLAGS = {"spec_configs": "--spec-configs", "spec_batch": "--spec-batch",
               "spec_prompt_len": "--spec-prompt-len", "spec_max_tokens": "--spec-max-tokens",
               "spec_temperature": "--spec-temperature"}
 # Every engine of the workload runs one loop, the baselines included (a speedup compares
-# a loop with itself): async where every runner measured has it with speculative decoding
-# (these policy.features rows), else sync.
-ASYNC_FEATURES = ("async scheduling", "async scheduling with speculative decoding")
+# a loop with itself): async where every runner measured has it with the speculative
+# methods of the run (these policy.features rows), else sync.
+ASYNC_FEATURE = "async scheduling"
+ASYNC_SPEC_FEATURE = "async scheduling with {} speculative decoding"  # .format(method)
+
+
+def async_features(methods: Sequence[str]) -> tuple[str, ...]:
+    """The feature rows a runner needs to run the spec workload's configs async."""
+    return (ASYNC_FEATURE, *(ASYNC_SPEC_FEATURE.format(m) for m in sorted(set(methods))))
 DEFAULT_NUM_SPECULATIVE_TOKENS = (1, 2, 3, 4)
 EXAMPLE = ('[{"method": "ngram", "num_speculative_tokens": 2}, {"method": "draft_model", '
            '"model": "tiny-llama-draft", "num_speculative_tokens": 2}]')
@@ -239,11 +246,12 @@ class SpecLoop:
     refusal: str | None = None
 
 
-def spec_engine_loop(requested: str | None, runners: list[str], alone: bool) -> SpecLoop:
+def spec_engine_loop(requested: str | None, runners: list[str], alone: bool,
+                     methods: Sequence[str] = ("draft_model",)) -> SpecLoop:
     """The loop of the spec workload's engines from the loop asked for (None: the
-    default) and what each runner can run with speculative decoding. `alone`: no other
-    workload runs (the run's loop is then this one)."""
-    blocked = {r: next((f for f in ASYNC_FEATURES
+    default) and what each runner can run with the configs' speculative methods.
+    `alone`: no other workload runs (the run's loop is then this one)."""
+    blocked = {r: next((f for f in async_features(methods)
                         if features.feature(f).status(r) != features.SUPPORTED), None)
                for r in runners}
     unable = [r for r in runners if blocked[r]]

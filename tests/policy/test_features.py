@@ -42,9 +42,11 @@ SUPPORTED_BY = {
     # "both runners": V1 scatters the previous step's device tokens into its input ids
     # (placeholders on the host until they land), V2 keeps them on the device
     "async scheduling": {"v1", "v2"},
-    # V2 only: its drafts and accepted counts stay on the device, so the next step can be
-    # planned before they land; V1 proposes from the host token table after the sync
-    "async scheduling with speculative decoding": {"v2"},
+    # a draft model's proposals stay on the device in both runners, so the next step can
+    # be planned before they land (V1 moves rows back on the device); ngram's are made
+    # on the host from landed tokens (V1), and V2 has no ngram
+    "async scheduling with draft_model speculative decoding": {"v1", "v2"},
+    "async scheduling with ngram speculative decoding": set(),
     # one process, one device: no parallelism on either runner
     "tensor parallelism > 1": {"v1", "v2"},
     # both runners share the model and its kernels, where the mode lives
@@ -91,8 +93,11 @@ SETTINGS = {
     "cudagraph_mode='PIECEWISE'": {"cudagraph_mode": "PIECEWISE"},
     "cudagraph_mode='FULL_AND_PIECEWISE'": {"cudagraph_mode": "FULL_AND_PIECEWISE"},
     "async scheduling": {"async_scheduling": True},
-    "async scheduling with speculative decoding": {"async_scheduling": True,
-                                                   "speculative_config": DRAFT},
+    "async scheduling with draft_model speculative decoding": {
+        "async_scheduling": True, "speculative_config": DRAFT},
+    "async scheduling with ngram speculative decoding": {
+        "async_scheduling": True,
+        "speculative_config": {"method": "ngram", "num_speculative_tokens": 2}},
     "tensor parallelism > 1": {"tensor_parallel_size": 2},
     "batch-invariant mode": {"batch_invariant": True},
     "pipeline parallelism > 1": {"pipeline_parallel_size": 2},
@@ -157,7 +162,7 @@ def test_auto_falls_back_or_refuses(fake_cuda, label):
         assert cfg.use_v2_model_runner and cfg.runner_decision.source == "forced"
         assert label in " ".join(cfg.runner_decision.reasons)
     else:
-        with pytest.raises(RunnerSelectionError, match="No model runner supports"):
+        with pytest.raises(RunnerSelectionError, match="No (model )?runner supports"):
             args.create_engine_config()
 
 
@@ -412,9 +417,14 @@ def _run_block(monkeypatch):
     assert stats.num_accepted_tokens == stats.num_draft_tokens > 0
 
 
-def _run_async_spec(monkeypatch):
+def _run_async_spec(runner: str):
+    return lambda monkeypatch: _async_spec(runner)
+
+
+def _async_spec(runner: str):
     for spec in (SELF_DRAFT, WEAK_DRAFT):
-        engine = _engine(model_runner="v2", async_scheduling=True, speculative_config=spec, **SPEC)
+        engine = _engine(model_runner=runner, async_scheduling=True, speculative_config=spec,
+                         **SPEC)
         tokens, stats = _spec_generate(engine, sampled=False)
         assert tokens == _plain() and stats.num_draft_tokens > 0
     # Seeded: with the target's own weights every draft is accepted, so the same draws
@@ -423,7 +433,7 @@ def _run_async_spec(monkeypatch):
     # scheduled with fewer drafts: the in-flight ones count as accepted, which changes
     # which draws decide), so there the oracle is the target's distribution itself:
     # tests/gpu/shared/serving/test_spec_decode_statistics_gpu.py (too slow interpreted).
-    engine = _engine(model_runner="v2", async_scheduling=True, speculative_config=SELF_DRAFT,
+    engine = _engine(model_runner=runner, async_scheduling=True, speculative_config=SELF_DRAFT,
                      **SPEC)
     sampled, stats = _spec_generate(engine, sampled=True)
     assert stats.num_accepted_tokens == stats.num_draft_tokens > 0
@@ -556,7 +566,8 @@ RUNS = {
     **{("rejection_sample_method='standard'", r): _run_standard(r) for r in ("v1", "v2")},
     **{("rejection_sample_method='synthetic'", r): _run_synthetic(r) for r in ("v1", "v2")},
     ("rejection_sample_method='block'", "v2"): _run_block,
-    ("async scheduling with speculative decoding", "v2"): _run_async_spec,
+    **{("async scheduling with draft_model speculative decoding", r): _run_async_spec(r)
+       for r in ("v1", "v2")},
     **{("tensor parallelism > 1", r): _run_tp(r) for r in ("v1", "v2")},
     **{("batch-invariant mode", r): _run_batch_invariant(r) for r in ("v1", "v2")},
 }

@@ -161,7 +161,8 @@ def test_spec_alone_sampled_on_one_runner(tmp_path) -> None:
 def test_spec_alone_on_v2_runs_the_async_loop(tmp_path) -> None:
     """V2 has async scheduling with speculative decoding (policy.features): alone, its
     spec engines and baselines run async, and greedy drafts still keep the tokens."""
-    assert features.feature(spec_args.ASYNC_FEATURES[1]).status("v2") == features.SUPPORTED
+    row = spec_args.ASYNC_SPEC_FEATURE.format("draft_model")
+    assert features.feature(row).status("v2") == features.SUPPORTED
     rc, report, text = _run(tmp_path, "--runners", "v2", "--workloads", "spec",
                             "--spec-max-tokens", "6", "--spec-configs",
                             json.dumps({**DRAFT, "num_speculative_tokens": 1}))
@@ -178,7 +179,7 @@ def spec_async(request, monkeypatch):
     """The feature table with the runners' async-with-speculation statuses set by the
     parameter: the runners that have it."""
     able = request.param
-    row = spec_args.ASYNC_FEATURES[1]
+    row = spec_args.ASYNC_SPEC_FEATURE.format("draft_model")
     table = tuple(f if f.label != row else dataclasses.replace(
         f, v1=features.SUPPORTED if "v1" in able else features.UNSUPPORTED,
         v2=features.SUPPORTED if "v2" in able else features.UNSUPPORTED)
@@ -307,7 +308,9 @@ SPEC = ["--workloads", "spec"]
     (["--spec-prompt-len", "500", "--spec-max-tokens", "100"],
      "the spec workload needs requests of 600 tokens"),
     (["--speculative-config", json.dumps(NGRAM)], "--speculative-config would give every engine"),
-    (["--engine-loop", "async"], "the async engine loop (--engine-loop async or --async-scheduling)"),
+    # ngram is made from landed host tokens: neither runner runs it a step ahead
+    (["--engine-loop", "async", "--spec-configs", json.dumps([NGRAM])],
+     "the async engine loop (--engine-loop async or --async-scheduling)"),
     (["--engine-loop", "both"], "--engine-loop both: the spec workload runs one loop"),
     (["--model", "tiny-qwen3"], "--workloads spec: the model 'tiny-qwen3' has no draft preset"),
     (["--max-num-seqs", "2", "--spec-batch", "4"], "--max-num-seqs 2 is below the 4"),

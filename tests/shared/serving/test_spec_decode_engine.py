@@ -43,6 +43,10 @@ CONFIGS = {
     "v2-weak-k2": ("v2", {"method": "draft_model", "model": "tiny-llama-draft",
                           "num_speculative_tokens": 2}),
     # async scheduling: the next step is planned before the drafts and accepted counts land
+    "v1-async-self-k3": ("v1-async", {"method": "draft_model", "model": "SELF",
+                                      "num_speculative_tokens": 3}),
+    "v1-async-weak-k2": ("v1-async", {"method": "draft_model", "model": "tiny-llama-draft",
+                                      "num_speculative_tokens": 2}),
     "v2-async-self-k3": ("v2-async", {"method": "draft_model", "model": "SELF",
                                       "num_speculative_tokens": 3}),
     "v2-async-weak-k2": ("v2-async", {"method": "draft_model", "model": "tiny-llama-draft",

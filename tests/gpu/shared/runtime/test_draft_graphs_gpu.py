@@ -25,6 +25,7 @@ CONFIGS = {  # the draft "tiny-llama" is the target's own weights: its drafts ar
     "v1-weak": ("v1", "tiny-llama-draft", False),
     "v2-self": ("v2", "tiny-llama", False),
     "v2-weak": ("v2", "tiny-llama-draft", False),
+    "v1-async-weak": ("v1", "tiny-llama-draft", True),
     "v2-async-self": ("v2", "tiny-llama", True),
 }
 # different prompt lengths and lives: prefill steps (non-uniform catch-ups), 5 requests

@@ -18,6 +18,8 @@ CONFIGS = {
                            "prompt_lookup_min": 1, "prompt_lookup_max": 3}),
     "v1-self-k3": ("v1", {"method": "draft_model", "model": "SELF", "num_speculative_tokens": 3}),
     "v2-self-k3": ("v2", {"method": "draft_model", "model": "SELF", "num_speculative_tokens": 3}),
+    "v1-async-weak-k2": ("v1-async", {"method": "draft_model", "model": "tiny-llama-draft",
+                                      "num_speculative_tokens": 2}),
     "v2-async-weak-k2": ("v2-async", {"method": "draft_model", "model": "tiny-llama-draft",
                                       "num_speculative_tokens": 2}),
 }
