@@ -6,8 +6,9 @@ scheduled_spec_decode_tokens) are written into the host token table right after 
 row's known tokens, so the ordinary NumPy input gather reads them as query tokens; the
 logits of a row with k drafts are its last k + 1 tokens; after sampling the accepted run
 and the target's own token are appended to the table, and the ngram proposer reads the
-table for the next step's drafts. Nothing here runs under async scheduling (the engine
-refuses that combination at config time).
+table for the next step's drafts. A draft model's proposals stay on the device and are
+written into the step's input ids there (prepare_step): under async scheduling the host
+only has placeholders for them (runner_v1/spec_decode/async_spec.py).
 """
 
 from __future__ import annotations
