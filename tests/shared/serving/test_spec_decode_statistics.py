@@ -31,9 +31,11 @@ def target(llama_dir) -> dict:
     return st.target_probs(llama_dir)
 
 
-@pytest.mark.parametrize("draft", ["weak", "self"])
-def test_v1_seeded_spec_decode_samples_the_target(setup, llama_dir, target, draft):
-    counts, stats = st.sampled_counts(setup, "v1", st.draft_config(draft, llama_dir), N, target)
+# v1-async: the next step planned before the drafts and their acceptance land (placeholder
+# drafts, rows moved back on the device), the weak draft so that most are rejected
+@pytest.mark.parametrize("runner,draft", [("v1", "weak"), ("v1", "self"), ("v1-async", "weak")])
+def test_v1_seeded_spec_decode_samples_the_target(setup, llama_dir, target, runner, draft):
+    counts, stats = st.sampled_counts(setup, runner, st.draft_config(draft, llama_dir), N, target)
     assert stats.num_draft_tokens > 0
     # the path each draft tests: weak, mostly rejected (the residual decides); self, q = p
     # (up to float32 rounding between the two forwards): all but a few accepted

@@ -1,6 +1,6 @@
 """Seeded speculative decoding through the whole engine samples the target's distribution,
-V2 with async scheduling (the next step planned before the drafts and their acceptance
-land) and V1, on the GPU with the runners' graphs (GPU machine only: interpreted on the
+both runners with async scheduling (the next step planned before the drafts and their
+acceptance land) and without, on the GPU with the runners' graphs (GPU machine only: interpreted on the
 CPU, V2's kernels make the 20,000 requests far too slow; the CPU runs V1,
 tests/shared/serving/test_spec_decode_statistics.py). The oracle and the distortion that
 gives the test its teeth: tests/shared/serving/spec_statistics.py."""
@@ -23,7 +23,7 @@ def target(llama_dir) -> dict:
 
 
 @pytest.mark.parametrize("runner,draft", [("v2-async", "weak"), ("v2-async", "self"),
-                                          ("v2", "self"), ("v1", "self")])
+                                          ("v1-async", "weak"), ("v2", "self"), ("v1", "self")])
 def test_seeded_spec_decode_samples_the_target(setup, llama_dir, target, runner, draft):
     counts, stats = st.sampled_counts(setup, runner, st.draft_config(draft, llama_dir), N,
                                       target)
