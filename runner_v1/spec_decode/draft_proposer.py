@@ -25,9 +25,9 @@ the scheduler: its new token's slot may lie in a block it does not own yet). KV 
 the allocated blocks is never written: the catch-up itself is cut there. The launch
 only has an upper bound of each cap (no draft accepted); collect() trims to the cap.
 
-The draft distributions q (float64 [drafts, V]; None for greedy rows, whose drafts are
-an argmax) wait here, keyed by request, until the next step's rejection sampler asks
-for them (draft_probs_for_step).
+The drafts and their distributions q (float64 [drafts, V]; None for greedy rows, whose
+drafts are an argmax) wait in runner_v1/spec_decode/proposals.py, keyed by request, until
+the next step's input prep and rejection sampler ask for them.
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ from runner_v1.spec_decode.draft_inputs import (
     place_new_tokens,
     v1_full_query_lens,
 )
-from runner_v1.spec_decode.metadata import ragged_arange, to_device
+from runner_v1.spec_decode.proposals import DraftProposals
 from shared.attention.metadata import CommonAttentionMetadata, count_leading_decodes
 from shared.runtime.draft_executor import DraftForward, make_draft_executor
 from shared.runtime.draft_graphs import draft_graph_config
@@ -74,14 +74,6 @@ class _DraftStepBatch:
     num_decode_tokens: int
 
 
-@dataclass
-class _Proposal:
-    """One request's drafts, kept until its next step verifies them (device views)."""
-
-    tokens: torch.Tensor  # int64 [num_drafts]
-    probs: torch.Tensor | None  # float64 [num_drafts, V]; None for a greedy row
-
-
 class _DraftBuffers:
     """The proposer's own device buffers. The catch-up may hold up to
     max_num_batched_tokens + max_num_seqs tokens (each sampled row adds its new token),
@@ -101,7 +93,6 @@ class _Launched:
 
     rows: np.ndarray  # int64 [n]: the proposing batch rows, upper-bound cap descending
     drafts: torch.Tensor  # int64 [steps, n]
-    probs: torch.Tensor | None  # float64 [n, steps, V]; None when every row is greedy
 
 
 class V1DraftProposer:
@@ -143,12 +134,11 @@ class V1DraftProposer:
         self.draft_forward = DraftForward(
             self.executor, self.max_catch_up_tokens, graphs, self.device)
         self.buffers = _DraftBuffers(self.max_num_reqs, self.max_catch_up_tokens, self.device)
-        self._proposals: dict[str, _Proposal] = {}
+        self.proposals = DraftProposals(self.vocab_size, self.device)
         self._pending: _Launched | None = None
         # the TORCH backend reads exact host seq_lens, which the draft forwards after the
         # catch-up only have on the device
         self.needs_host_seq_lens = config.attention_backend == "TORCH"
-        self._catch_up_hidden: torch.Tensor | None = None
 
     # ---- set-up ---------------------------------------------------------------------
     def load_model(self) -> None:
@@ -185,65 +175,22 @@ class V1DraftProposer:
     # ---- request lifetime -----------------------------------------------------------
     def remove(self, req_id: str) -> None:
         """A finished or preempted request: its drafts will never be verified."""
-        self._proposals.pop(req_id, None)
+        self.proposals.remove(req_id)
 
     def reset(self) -> None:
-        self._proposals.clear()
+        self.proposals.clear()
         self._pending = None
 
-    # ---- before rejection sampling -----------------------------------------------------
+    # ---- before rejection sampling: the proposals' views --------------------------------
     def draft_probs_for_step(
         self, req_ids: Sequence[str], num_draft_tokens: np.ndarray
     ) -> torch.Tensor | None:
-        """q of this step's drafts, float64 [sum drafts, V], rows in batch-row order, each
-        request's first num_draft_tokens[row] (the scheduler may trim the tail of a
-        proposal, never its head). A greedy row gets one-hot rows at its draft tokens so
-        the tensor is defined everywhere. None when no drafted row samples randomly."""
-        props, counts = self._scheduled(req_ids, num_draft_tokens)
-        is_random = np.array([p.probs is not None for p in props], dtype=bool)
-        if not is_random.any():
-            return None
-        starts = np.cumsum(counts) - counts
-
-        def flat_rows(sel: np.ndarray) -> torch.Tensor:  # the out rows of these requests
-            flat = np.repeat(starts[sel], counts[sel]) + ragged_arange(counts[sel])
-            return to_device(flat, self.device)  # pinned, non_blocking: no wait for the verify
-
-        out = torch.zeros((int(counts.sum()), self.vocab_size), dtype=torch.float64,
-                          device=self.device)
-        random_rows = np.flatnonzero(is_random).tolist()
-        out[flat_rows(is_random)] = torch.cat([props[i].probs[: counts[i]] for i in random_rows])
-        greedy_rows = np.flatnonzero(~is_random).tolist()
-        if greedy_rows:
-            tokens = torch.cat([props[i].tokens[: counts[i]] for i in greedy_rows])
-            out[flat_rows(~is_random), tokens] = 1.0
-        return out
+        return self.proposals.probs_for_step(req_ids, num_draft_tokens)
 
     def draft_tokens_for_step(
         self, req_ids: Sequence[str], num_draft_tokens: np.ndarray
     ) -> torch.Tensor:
-        """The step's drafts on the device, int64 [sum drafts], rows in batch-row order,
-        each request's first num_draft_tokens[row] (what the verify checks: under async
-        scheduling the host only has placeholders for them)."""
-        props, counts = self._scheduled(req_ids, num_draft_tokens)
-        return torch.cat([p.tokens[:c] for p, c in zip(props, counts.tolist())])
-
-    def _scheduled(
-        self, req_ids: Sequence[str], num_draft_tokens: np.ndarray
-    ) -> tuple[list[_Proposal], np.ndarray]:
-        """The proposals of the rows with drafts this step, and their draft counts."""
-        rows = np.flatnonzero(num_draft_tokens)
-        counts = num_draft_tokens[rows].astype(np.int64)
-        props = []
-        for row, count in zip(rows.tolist(), counts.tolist()):  # per drafted request
-            p = self._proposals.get(req_ids[row])
-            if p is None or count > p.tokens.shape[0]:
-                have = 0 if p is None else p.tokens.shape[0]
-                raise RuntimeError(
-                    f"request {req_ids[row]!r} is scheduled with {count} drafts but the draft "
-                    f"proposer holds {have} for it: the scheduler and the runner disagree")
-            props.append(p)
-        return props, counts
+        return self.proposals.tokens_for_step(req_ids, num_draft_tokens)
 
     # ---- after sampling, before the step's tokens reach the host -------------------------
     @torch.no_grad()
@@ -272,7 +219,7 @@ class V1DraftProposer:
         allocated = batch.block_table.num_blocks_per_row[:n].astype(np.int64) * self.block_size
         layout = catch_up_layout(start, scheduled, known, allocated)
         for row in np.flatnonzero(layout.sampled).tolist():  # verified this step
-            self._proposals.pop(batch.req_ids[row], None)
+            self.proposals.remove(batch.req_ids[row])
         if layout.total == 0:
             return
         if layout.total > self.max_catch_up_tokens:
@@ -297,17 +244,17 @@ class V1DraftProposer:
             src, extra, req, layout.cu - layout.lens, layout.new_rel,
             np.where(layout.sampled, layout.lens, 0), layout.lens - scheduled, rows,
             np.minimum(allocated[rows], self.max_model_len), qsl], self.device)
-        positions, new_rel, placed = self._catch_up(
+        hidden, positions, new_rel, placed = self._catch_up(
             batch, step, layout, (src, extra, req, lens_delta), (qsl, qsl_dev),
             new_tokens, num_new, (row_start, new_rel, limit))
         if rows.size:
+            # each proposing row's new token (or, where it did not fit, its last token)
             new_index = torch.where(placed, row_start + new_rel, row_start + limit - 1)
             new_index = new_index.index_select(0, rows_dev)
             self._pending = self._draft(
-                batch, self._catch_up_hidden.index_select(0, new_index),
-                positions.index_select(0, new_index), rows, rows_dev, row_limit,
-                cap_hi[rows], start[rows] + scheduled[rows], metadata)
-        self._catch_up_hidden = None
+                batch, hidden.index_select(0, new_index), positions.index_select(0, new_index),
+                rows, rows_dev, row_limit, cap_hi[rows], start[rows] + scheduled[rows],
+                metadata)
 
     # ---- after the step's tokens are in the token table -------------------------------
     def collect(self, batch: PersistentBatch, sampled_rows: np.ndarray) -> list[list[int]]:
@@ -326,13 +273,9 @@ class V1DraftProposer:
         per_row = pending.drafts.t().tolist()  # the step has synced already: [n][steps]
         out: dict[int, list[int]] = {}
         for j, (row, cap) in enumerate(zip(pending.rows.tolist(), caps.tolist())):
-            req_id = batch.req_ids[row]
-            if cap <= 0:
-                self._proposals.pop(req_id, None)
-                continue
-            p = self._proposals[req_id]
-            self._proposals[req_id] = _Proposal(p.tokens[:cap], None if p.probs is None else p.probs[:cap])
-            out[row] = per_row[j][:cap]
+            self.proposals.trim(batch.req_ids[row], cap)
+            if cap > 0:
+                out[row] = per_row[j][:cap]
         return [out.get(row, []) for row in sampled_rows.tolist()]
 
     def _catch_up(
@@ -340,11 +283,11 @@ class V1DraftProposer:
         sources: tuple[torch.Tensor, ...], qsl: tuple[np.ndarray, torch.Tensor],
         new_tokens: torch.Tensor,
         num_new: torch.Tensor | None, placement: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """One forward over every row's layout, its inputs gathered on the device from the
-        step's (catch_up_inputs), the new tokens placed (place_new_tokens). Keeps the
-        hidden states in self._catch_up_hidden. -> (the catch-up's positions, each row's
-        new-token index in its row, whether it was placed)."""
+        step's (catch_up_inputs), the new tokens placed (place_new_tokens). -> (hidden
+        states, the catch-up's positions, each row's new-token index in its row, whether
+        it was placed)."""
         n, total = layout.lens.shape[0], layout.total
         src, extra, req, lens_delta = sources
         ids = self.buffers.input_ids
@@ -364,10 +307,10 @@ class V1DraftProposer:
         )
         host_lens = (seq_lens.cpu() if self.needs_host_seq_lens
                      else torch.from_numpy(end.astype(np.int32)))
-        self._catch_up_hidden = self._forward(
+        hidden = self._forward(
             batch_desc, ids[:total], positions, batch.block_table.block_table.gpu[:n], slots,
             torch.from_numpy(qsl[0]), host_lens)
-        return positions, new_rel, placed
+        return hidden, positions, new_rel, placed
 
     def _draft(
         self, batch: PersistentBatch, hidden: torch.Tensor, new_pos: torch.Tensor,
@@ -421,9 +364,10 @@ class V1DraftProposer:
                 probs[:m, i] = q
         greedy = batch.temperature.np[rows] == 0
         for j, (row, cap) in enumerate(zip(rows.tolist(), caps.tolist())):  # per request
-            self._proposals[batch.req_ids[row]] = _Proposal(
-                drafts[:cap, j], None if probs is None or greedy[j] else probs[j, :cap])
-        return _Launched(rows=rows, drafts=drafts, probs=probs)
+            self.proposals.keep(
+                batch.req_ids[row], drafts[:cap, j],
+                None if probs is None or greedy[j] else probs[j, :cap])
+        return _Launched(rows=rows, drafts=drafts)
 
     def _table_rows(self, table: torch.Tensor, rows_dev: torch.Tensor, n: int) -> torch.Tensor:
         """table[rows] (int32 [n, max_blocks]), written into the draft's persistent FULL-
