@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from shared.contract.sampling_params import RequestOutputKind, SamplingParams
-from shared.runtime.step_timing import STAGES
+from shared.runtime.step_timing import STAGES, StepStats
 from shared.serving.engine import LLMEngine
 
 
@@ -118,26 +118,47 @@ def _cpu_time_s(fn, reps: int, warmup: int = 1) -> float:
 
 @dataclass
 class StepSamples:
-    """Per-step samples of one measured run."""
+    """Per-step samples of one measured run.
+
+    The GPU times are read lazily, after the run (`forward_gpu_ms`, `step_gpu_ms`, the
+    summary): reading a step's CUDA events waits for its GPU work, and a read per step
+    would serialise an async-scheduling loop (the host could never run ahead of the GPU),
+    so a run's throughput would measure a synchronous loop."""
 
     wall_ms: list[float] = field(default_factory=list)
     stage_ms: dict[str, list[float]] = field(default_factory=lambda: {s: [] for s in STAGES})
-    forward_gpu_ms: list[float] = field(default_factory=list)
-    step_gpu_ms: list[float] = field(default_factory=list)  # forward + LM head + sampler
     modes: list[str] = field(default_factory=list)
+    _forward_gpu_ms: list[float] = field(default_factory=list)
+    _step_gpu_ms: list[float] = field(default_factory=list)  # forward + LM head + sampler
+    _unread: list[StepStats] = field(default_factory=list)
 
     def add(self, engine: LLMEngine, wall_ms: float) -> None:
         stats = engine.step_stats
         self.wall_ms.append(wall_ms)
         for s in STAGES:
             self.stage_ms[s].append(stats.stage_ms.get(s, 0.0))
-        gpu = stats.forward_gpu_ms()
-        if gpu is not None:
-            self.forward_gpu_ms.append(gpu)
-        gpu = stats.step_gpu_ms()
-        if gpu is not None:
-            self.step_gpu_ms.append(gpu)
         self.modes.append(stats.cudagraph_mode)
+        self._unread.append(stats)  # its events are read after the run
+
+    @property
+    def forward_gpu_ms(self) -> list[float]:
+        self._read_gpu()
+        return self._forward_gpu_ms
+
+    @property
+    def step_gpu_ms(self) -> list[float]:
+        self._read_gpu()
+        return self._step_gpu_ms
+
+    def _read_gpu(self) -> None:
+        for stats in self._unread:
+            gpu = stats.forward_gpu_ms()
+            if gpu is not None:
+                self._forward_gpu_ms.append(gpu)
+            gpu = stats.step_gpu_ms()
+            if gpu is not None:
+                self._step_gpu_ms.append(gpu)
+        self._unread.clear()
 
     def summary(self) -> dict:
         def q(values: list[float]) -> dict:

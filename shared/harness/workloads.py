@@ -36,8 +36,8 @@ def summarise(results: list[RunResult]) -> dict:
     for r in results:
         if r.samples is not None:
             merged.wall_ms += r.samples.wall_ms
-            merged.forward_gpu_ms += r.samples.forward_gpu_ms
-            merged.step_gpu_ms += r.samples.step_gpu_ms
+            merged.forward_gpu_ms.extend(r.samples.forward_gpu_ms)
+            merged.step_gpu_ms.extend(r.samples.step_gpu_ms)
             merged.modes += r.samples.modes
             for s in STAGES:
                 merged.stage_ms[s] += r.samples.stage_ms[s]
