@@ -93,9 +93,10 @@ THROUGHPUT_MAX_LEN = 2048
 def churn(engine: LLMEngine, live: int, steps: int, tag: str) -> RunResult:
     """Keep about `live` requests running; each lives 2-12 tokens, so every step some
     finish (holes in V1, freed rows in V2) and new ones arrive. `steps` steps with per-step
-    samples, then `steps` more timed as a run (steady_ms, as the decode workload's): the
-    samples read each step's CUDA events, which waits for that step's GPU work, so under
-    async scheduling only the run shows the host work overlapping the GPU's."""
+    samples, then `steps` more timed as a run (steady_ms, as the decode workload's): under
+    async scheduling a step's wall sample is the time between two returns, while the run
+    is what a user sees (StepSamples reads the GPU times after the run, so neither waits
+    on the GPU step by step)."""
     rng = random.Random(2)
     samples, tokens = StepSamples(), {}
     next_id = 0
