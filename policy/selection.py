@@ -242,4 +242,4 @@ def _feature_error(runner: str, source: str, env_use_v2: bool | None, blocked: l
     # one has, so some blocked feature is missing from both)
     neither = [f for f in blocked if f in unsupported[other]]
     return (f"{head} No runner supports {named(neither)} yet; "
-            f"set {feature_table.how_to_drop(blocked)}.")
+            f"set {feature_table.how_to_drop(neither)}.")

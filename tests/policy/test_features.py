@@ -166,6 +166,19 @@ def test_auto_falls_back_or_refuses(fake_cuda, label):
             args.create_engine_config()
 
 
+def test_async_ngram_names_the_one_setting_that_fixes_it(fake_cuda):
+    """ngram needs V1 and async scheduling with ngram no runner has: the refusal asks for
+    async_scheduling=False alone (with it V1 serves the config), not for dropping the
+    speculation too."""
+    args = _args("async scheduling with ngram speculative decoding")
+    with pytest.raises(RunnerSelectionError) as err:
+        args.create_engine_config()
+    message = str(err.value)
+    assert message.endswith("set async_scheduling=False.") and "speculative_config" not in message
+    fixed = _args("async scheduling with ngram speculative decoding", async_scheduling=False)
+    assert fixed.create_engine_config().runner_decision.runner == "v1"
+
+
 def test_block_rejection_is_never_a_silent_no_op_on_v1(fake_cuda):
     """vLLM's V1 stores rejection_sample_method='block' and never reads it: refused here."""
     with pytest.raises(RunnerSelectionError, match="rejection_sample_method='block'"):
