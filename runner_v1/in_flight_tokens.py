@@ -178,9 +178,7 @@ class InFlightTokens:
                 and all(requests[r] is s for r, s in zip(req_ids, latest.states))):
             # the same requests in the same rows (identity: a resubmitted id is new)
             return latest.num_rejected[: len(req_ids)]
-        src_of = {id(state): row for state, row in zip(latest.states, latest.rows)}
-        src = np.fromiter((src_of.get(id(requests[r]), -1) for r in req_ids),
-                          dtype=np.int64, count=len(req_ids))
+        src = _rows_in(latest, [requests[r] for r in req_ids])
         # a fresh pinned copy: scatter_into_input_ids' buffers are in flight this step
         index, present = copy_packed_to_device(
             [np.maximum(src, 0), (src >= 0).astype(np.int32)], latest.num_rejected.device)
@@ -211,12 +209,8 @@ class InFlightTokens:
             # sampled (a resubmitted id brings no hole). One slice copy, no index tensors.
             input_ids[:n].copy_(latest.sampled[:n])
             return
-        src_of = {} if latest is None else {
-            id(state): row for state, row in zip(latest.states, latest.rows)}
         rows_now = np.searchsorted(cu_num_tokens, holes, side="right")
-        src = np.fromiter(
-            (src_of.get(id(requests[req_ids[r]]), -1) for r in rows_now.tolist()),
-            dtype=np.int64, count=holes.size)
+        src = _rows_in(latest, [requests[req_ids[r]] for r in rows_now.tolist()])
         if (src < 0).any():
             r = int(rows_now[int(np.argmax(src < 0))])
             raise RuntimeError(
@@ -228,3 +222,11 @@ class InFlightTokens:
         self._src.np[:n] = src
         dst, src_t = self._dst.copy_to_gpu(n), self._src.copy_to_gpu(n)
         input_ids.index_copy_(0, dst, latest.sampled.index_select(0, src_t).to(input_ids.dtype))
+
+
+def _rows_in(step: _InFlightStep | None, states: list[CachedRequestState]) -> np.ndarray:
+    """Each request's row in `step` (by identity: an id may be reused by a resubmission),
+    -1 where it did not sample there. int64 [len(states)]."""
+    row_of = {} if step is None else {id(s): row for s, row in zip(step.states, step.rows)}
+    return np.fromiter((row_of.get(id(s), -1) for s in states), dtype=np.int64,
+                       count=len(states))

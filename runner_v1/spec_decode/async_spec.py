@@ -86,9 +86,8 @@ def record_spec_step(
     accepted = out.num_sampled[:n].to(torch.int64) - 1
     last = out.output_token_ids[:n].gather(1, accepted.clamp(min=0)[:, None]).squeeze(1)
     (drafts,) = copy_packed_to_device([num_draft[:n].astype(np.int32)], accepted.device)
-    # a partial prefill (no drafts, nothing sampled) rejects nothing either
-    rejected = (drafts - accepted.to(torch.int32)).clamp_(min=0, max=None)
-    rejected = torch.where(drafts > 0, rejected, 0).to(torch.int32)
+    # a row without drafts rejects nothing (a partial prefill's num_sampled is no run)
+    rejected = torch.where(drafts > 0, drafts - accepted.to(torch.int32), 0).to(torch.int32)
     states = [runner.requests[req_ids[row]] for row in rows.tolist()]
     runner.in_flight.record(runner.persistent_batch, states, rows, last, pending,
                             num_placeholders=1 + num_draft[rows].astype(np.int64),

@@ -52,6 +52,7 @@ class CatchUpLayout:
     cu: np.ndarray  # int64 [N]: cumulative lens (row b's tokens end at cu[b])
     sampled: np.ndarray  # bool [N]: the row sampled this step (its query reached its end)
     new_rel: np.ndarray  # int64 [N]: the new token's index in the row with none accepted
+    seq_lens: np.ndarray  # int64 [N]: start + lens (an upper bound while a step is in flight)
 
     @property
     def total(self) -> int:
@@ -68,7 +69,8 @@ def catch_up_layout(
     sampled = (scheduled > 0) & (start + scheduled >= known)
     end = np.minimum(start + scheduled + sampled, allocated)
     lens = np.maximum(end - start, 0)
-    return CatchUpLayout(lens=lens, cu=np.cumsum(lens), sampled=sampled, new_rel=known - start)
+    return CatchUpLayout(lens=lens, cu=np.cumsum(lens), sampled=sampled, new_rel=known - start,
+                         seq_lens=start + lens)
 
 
 @dataclass(frozen=True)

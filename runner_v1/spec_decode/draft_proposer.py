@@ -296,9 +296,8 @@ class V1DraftProposer:
         # ids' last entry is the scratch slot: a catch-up never reaches it
         new_rel, placed = place_new_tokens(ids, ids.shape[0] - 1, new_tokens, num_new, *placement)
         seq_lens = step.seq_lens[:n] + lens_delta.to(torch.int32)
-        start = batch.num_computed_tokens[:n].astype(np.int64)
         # the host's lengths: exact, or an upper bound while the previous step is in flight
-        end = start + layout.lens
+        end = layout.seq_lens
         num_decodes = count_leading_decodes(layout.lens)
         batch_desc = _DraftStepBatch(
             query_start_loc=qsl[1], seq_lens=seq_lens, num_reqs=n, num_tokens=total,

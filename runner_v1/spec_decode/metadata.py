@@ -39,9 +39,11 @@ def build_spec_decode_metadata(
     first = np.repeat(ends - num_logits, num_logits)
     logits_indices_np = first + ragged_arange(num_logits)
     # one pinned copy for both (input prep: on the critical path before the verify)
-    logits_indices, draft_ids = copy_packed_to_device(
-        [logits_indices_np, draft_token_ids.astype(np.int64)], device)
-    if device_draft_token_ids is not None:
+    if device_draft_token_ids is None:
+        logits_indices, draft_ids = copy_packed_to_device(
+            [logits_indices_np, draft_token_ids.astype(np.int64)], device)
+    else:
+        (logits_indices,) = copy_packed_to_device([logits_indices_np], device)
         draft_ids = device_draft_token_ids
     return SpecDecodeMetadata(
         num_draft_tokens=num_draft_tokens,
