@@ -11,7 +11,8 @@
 # shared/model/kernels/gemv_configs.json and commit it with the run's results). The later
 # stages measure the package's table. GEMV_ARGS, TUNE_ARGS, DECODE_ARGS and GPU_TESTS pass
 # arguments on; SPEC_VARIANTS and SPEC_CONFIGS replace the spec stages' variants;
-# SERVE_PROMPTS and SERVE_RATES the serve stage's workload.
+# SERVE_PROMPTS and SERVE_RATES the serve stage's workload; AB_SPEC_ARGS adds ab_spec's
+# arguments (e.g. --engine-loop sync).
 #
 # Run through the device tool from the repository root, carrying `.whl`:
 #   python3 -m pip download ... -d .whl pydantic==2.14.4 pydantic-core==2.50.5 \
@@ -102,7 +103,7 @@ if want ab_spec; then
   configs="[{$syn, \"kernel_options\": {\"draft_full_graphs\": false}}, {$syn}, {$syn, \"kernel_options\": {\"gemv_max_tokens\": 4}}]"
   python3 -m shared.harness.cli ab --model llama-3-8b --load-format dummy --dtype bfloat16 --device cuda \
     --workloads spec --spec-batch 1 --spec-prompt-len 1024 --spec-max-tokens 128 --max-num-seqs 4 \
-    --spec-configs "${SPEC_CONFIGS:-$configs}" --output-dir "$OUT/ab_spec" 2>&1 \
+    --spec-configs "${SPEC_CONFIGS:-$configs}" ${AB_SPEC_ARGS:-} --output-dir "$OUT/ab_spec" 2>&1 \
     | grep -v "^INFO" | tee "$OUT/ab_spec.log"
 fi
 if want builtins; then

@@ -126,15 +126,34 @@ ACCEPT_SALT = 0x2545F4914F6CDD1D
 DRAFT_SALT = 0x3C6EF372FE94F82B
 
 
-def acceptance_uniform(
+def torch_acceptance_uniform(
     seeds: torch.Tensor, positions: torch.Tensor, offsets: torch.Tensor | None = None
 ) -> torch.Tensor:
     """The acceptance uniform in (0, 1), float64: u(seed ^ ACCEPT_SALT, pos, offset), offset
-    0 by default (one per logit row); the arguments broadcast together."""
+    0 by default (one per logit row); the arguments broadcast together. In torch ops."""
     seeds = seeds.to(torch.int64) ^ ACCEPT_SALT
     if offsets is None:
         offsets = torch.zeros((), dtype=torch.int64, device=seeds.device)
     return uniform(seeds, positions, offsets)
+
+
+def acceptance_uniform(
+    seeds: torch.Tensor, positions: torch.Tensor, offsets: torch.Tensor | None = None
+) -> torch.Tensor:
+    """torch_acceptance_uniform's values. On CUDA one Triton launch computes them: the torch
+    ops are some seventy launches of a few elements each, host time a verify step pays in
+    V1's rejection sampler (and, in a synchronous loop, the GPU waits for)."""
+    if not seeds.is_cuda:
+        return torch_acceptance_uniform(seeds, positions, offsets)
+    from shared.sampling.noise_kernels import triton_acceptance_uniform
+
+    if offsets is None:
+        offsets = torch.zeros((), dtype=torch.int64, device=seeds.device)
+    seeds, positions, offsets = (
+        t.to(torch.int64).contiguous() for t in torch.broadcast_tensors(seeds, positions, offsets))
+    shape = seeds.shape
+    return triton_acceptance_uniform(
+        seeds.reshape(-1), positions.reshape(-1), offsets.reshape(-1)).reshape(shape)
 
 
 # nlog's constants, as float64 bit patterns (the Triton twin spells the same bits)
@@ -172,22 +191,35 @@ def nlog(x: torch.Tensor) -> torch.Tensor:
     return e * LN2 + (t + t)
 
 
-def exponential_noise(
+def torch_exponential_noise(
     seeds: torch.Tensor, positions: torch.Tensor, vocab_size: int
 ) -> torch.Tensor:
     """E = -nlog(u), float64 [N, vocab_size], Exponential(1)-distributed: the noise of the
     exponential race (residual sampling: argmax r_v / E_v samples v with probability
-    proportional to r_v). The Gumbel noise is -nlog(E) of the same E."""
+    proportional to r_v). The Gumbel noise is -nlog(E) of the same E. In torch ops."""
     assert seeds.dim() == 1 and positions.shape == seeds.shape
     ids = torch.arange(vocab_size, dtype=torch.int64, device=seeds.device)
     return -nlog(uniform(seeds[:, None], positions[:, None], ids[None, :]))
+
+
+def exponential_noise(
+    seeds: torch.Tensor, positions: torch.Tensor, vocab_size: int
+) -> torch.Tensor:
+    """torch_exponential_noise's values; on CUDA one Triton kernel writes them (the torch
+    ops are some forty passes over [N, vocab] float64)."""
+    if seeds.is_cuda:
+        from shared.sampling.noise_kernels import triton_exponential_noise
+
+        return triton_exponential_noise(
+            seeds.to(torch.int64), positions.to(torch.int64), vocab_size)
+    return torch_exponential_noise(seeds, positions, vocab_size)
 
 
 def torch_gumbel_noise(
     seeds: torch.Tensor, positions: torch.Tensor, vocab_size: int
 ) -> torch.Tensor:
     """Gumbel noise float64 [N, vocab_size] for rows (seeds[i], positions[i]), in torch ops."""
-    return -nlog(exponential_noise(seeds, positions, vocab_size))
+    return -nlog(torch_exponential_noise(seeds, positions, vocab_size))
 
 
 def gumbel_noise(

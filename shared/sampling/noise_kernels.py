@@ -114,18 +114,20 @@ def _noise_kernel(
     out_ptr,  # float64 [N, vocab_size]
     vocab_size,
     BLOCK: tl.constexpr,
+    GUMBEL: tl.constexpr,  # False: the exponential noise E (Gumbel = -nlog(E))
 ):
     b = tl.program_id(0)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     lane_hi, lane_lo = row_lanes(tl.load(seeds_ptr + b), tl.load(pos_ptr + b))
-    noise = gumbel_noise(lane_hi, lane_lo, offs)
+    if GUMBEL:
+        noise = gumbel_noise(lane_hi, lane_lo, offs)
+    else:
+        noise = exponential_noise(lane_hi, lane_lo, offs)
     tl.store(out_ptr + b.to(tl.int64) * vocab_size + offs, noise, mask=offs < vocab_size)
 
 
-def triton_gumbel_noise(
-    seeds: torch.Tensor, positions: torch.Tensor, vocab_size: int, block: int = NOISE_BLOCK
-) -> torch.Tensor:
-    """float64 [N, vocab_size]; the Triton twin of shared.sampling.noise.torch_gumbel_noise."""
+def _noise(seeds: torch.Tensor, positions: torch.Tensor, vocab_size: int, block: int,
+           gumbel: bool) -> torch.Tensor:
     assert seeds.dtype == torch.int64 and positions.dtype == torch.int64
     assert seeds.dim() == 1 and positions.shape == seeds.shape
     n = seeds.shape[0]
@@ -133,8 +135,24 @@ def triton_gumbel_noise(
     if n == 0:
         return out
     grid = (n, triton.cdiv(vocab_size, block))
-    _noise_kernel[grid](seeds, positions, out, vocab_size, BLOCK=block, enable_fp_fusion=False)
+    _noise_kernel[grid](seeds.contiguous(), positions.contiguous(), out, vocab_size,
+                        BLOCK=block, GUMBEL=gumbel, enable_fp_fusion=False)
     return out
+
+
+def triton_gumbel_noise(
+    seeds: torch.Tensor, positions: torch.Tensor, vocab_size: int, block: int = NOISE_BLOCK
+) -> torch.Tensor:
+    """float64 [N, vocab_size]; the Triton twin of shared.sampling.noise.torch_gumbel_noise."""
+    return _noise(seeds, positions, vocab_size, block, gumbel=True)
+
+
+def triton_exponential_noise(
+    seeds: torch.Tensor, positions: torch.Tensor, vocab_size: int, block: int = NOISE_BLOCK
+) -> torch.Tensor:
+    """float64 [N, vocab_size]; the Triton twin of
+    shared.sampling.noise.torch_exponential_noise."""
+    return _noise(seeds, positions, vocab_size, block, gumbel=False)
 
 
 @triton.jit
@@ -150,7 +168,8 @@ def _acceptance_kernel(seeds_ptr, pos_ptr, offsets_ptr, out_ptr, n, BLOCK: tl.co
 def triton_acceptance_uniform(
     seeds: torch.Tensor, positions: torch.Tensor, offsets: torch.Tensor, block: int = 128
 ) -> torch.Tensor:
-    """float64 [N]: the device function `acceptance_uniform` elementwise (tests)."""
+    """float64 [N]: the device function `acceptance_uniform` elementwise (V1's rejection
+    sampler on CUDA, through shared.sampling.noise.acceptance_uniform)."""
     assert seeds.dtype == positions.dtype == offsets.dtype == torch.int64
     assert seeds.dim() == 1 and positions.shape == seeds.shape == offsets.shape
     n = seeds.shape[0]

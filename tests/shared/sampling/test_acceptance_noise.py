@@ -15,7 +15,7 @@ from shared.sampling.noise import (
     torch_gumbel_noise,
     uniform,
 )
-from shared.sampling.noise_kernels import triton_acceptance_uniform
+from shared.sampling.noise_kernels import triton_acceptance_uniform, triton_exponential_noise
 from tests.oracles import rejection_reference
 from tests.oracles.sampling_reference import reference_nlog, reference_uniform
 from tests.shared.sampling.test_sampling_noise import random_rows
@@ -79,3 +79,6 @@ def test_exponential_noise() -> None:
     # sampling of one row read the same uniforms, never both for one token)
     g = torch_gumbel_noise(seeds, positions, vocab)
     assert np.array_equal(g.numpy(), -reference_nlog(e.numpy()))
+    # the Triton kernel exponential_noise runs on CUDA (interpreted here), a vocabulary
+    # that is not a multiple of its block
+    assert torch.equal(triton_exponential_noise(seeds, positions, vocab, block=128), e)

@@ -7,7 +7,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from shared.sampling.noise import acceptance_uniform, exponential_noise
+from shared.sampling.noise import (
+    acceptance_uniform,
+    exponential_noise,
+    torch_acceptance_uniform,
+    torch_exponential_noise,
+)
 from shared.sampling.noise_kernels import triton_acceptance_uniform
 from tests.shared.sampling.test_sampling_noise import random_rows
 
@@ -20,10 +25,16 @@ def test_acceptance_uniform_cuda_and_compiled_triton_bit_identical() -> None:
     cpu = acceptance_uniform(seeds, positions, offsets)
     seeds, positions, offsets = seeds.cuda(), positions.cuda(), offsets.cuda()
     assert torch.equal(acceptance_uniform(seeds, positions, offsets).cpu(), cpu)
+    assert torch.equal(torch_acceptance_uniform(seeds, positions, offsets).cpu(), cpu)
     assert torch.equal(triton_acceptance_uniform(seeds, positions, offsets).cpu(), cpu)
+    # the default offset and broadcasting (one seed for a row's positions) on the kernel path
+    want = acceptance_uniform(seeds[:1].cpu(), positions.cpu())
+    assert torch.equal(acceptance_uniform(seeds[:1], positions).cpu(), want)
 
 
 def test_exponential_noise_cuda_bit_identical() -> None:
     seeds, positions = random_rows(16, seed=7)
     cpu = exponential_noise(seeds, positions, 32_000)
-    assert torch.equal(exponential_noise(seeds.cuda(), positions.cuda(), 32_000).cpu(), cpu)
+    seeds, positions = seeds.cuda(), positions.cuda()
+    assert torch.equal(exponential_noise(seeds, positions, 32_000).cpu(), cpu)  # Triton
+    assert torch.equal(torch_exponential_noise(seeds, positions, 32_000).cpu(), cpu)
