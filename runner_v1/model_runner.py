@@ -306,7 +306,9 @@ class GPUModelRunner(RunnerSetupMixin):
     def _propose(self, output: ModelRunnerOutput, state: _ExecuteState) -> None:
         """The next step's drafts for every row that sampled (synchronous runs only)."""
         if self.speculator is None or not isinstance(output, ModelRunnerOutput):
-            return  # (async outputs never meet a speculator: the config refuses the pair)
+            # an async output: only a draft model runs async (the config refuses ngram),
+            # its proposals stay on the device and the scheduler gives placeholders
+            return
         rows = np.flatnonzero([bool(t) for t in output.sampled_token_ids])
         proposals = self.speculator.propose(self.persistent_batch, rows)
         drafts: list[list[int]] = [[] for _ in state.req_ids]

@@ -16,6 +16,7 @@ import torch
 
 from runner_v2.staged_write import StagedWriteTensor
 from shared.attention.metadata import PAD_SLOT_ID
+from shared.runtime.triton_launch import kept
 from shared.runtime.triton_utils import tl, triton
 
 _BLOCK = 1024
@@ -145,7 +146,7 @@ class BlockTables:
         assert positions.dtype == torch.int64
         assert num_tokens_padded <= self.max_num_batched_tokens
         out, table = self.input_block_tables, self.block_table.gpu
-        _block_tables_and_slots_kernel[(num_reqs_padded + 1,)](
+        kept(_block_tables_and_slots_kernel)((num_reqs_padded + 1,),
             out, out.stride(0), self.slot_mappings, table, table.stride(0), idx_mapping,
             query_start_loc, positions, num_reqs, num_reqs_padded,
             self.max_num_blocks_per_req, self.max_num_batched_tokens, self.block_size,

@@ -30,6 +30,7 @@ from runner_v2.block_tables import BlockTables
 from runner_v2.states import RequestState
 from runner_v2.uva import async_copy_to_device
 from shared.attention.metadata import count_leading_decodes
+from shared.runtime.triton_launch import kept
 from shared.runtime.triton_utils import tl, triton
 
 _BLOCK = 1024
@@ -283,7 +284,7 @@ def _launch_prepare_inputs(
     if has_drafts:
         assert draft_tokens.dtype == torch.int64 and draft_tokens.stride(1) == 1
     drafts = draft_tokens if has_drafts else state.last_sampled_tokens.gpu  # dummy pointer
-    _prepare_inputs_kernel[(num_reqs + 1,)](
+    kept(_prepare_inputs_kernel)((num_reqs + 1,),
         buffers.input_ids, buffers.positions, buffers.seq_lens, buffers.logits_indices,
         idx_mapping, buffers.query_start_loc, state.num_computed_tokens.gpu,
         state.prefill_len.gpu, state.last_sampled_tokens.gpu, all_token_ids,

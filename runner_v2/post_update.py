@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from runner_v2.states import RequestState
+from shared.runtime.triton_launch import kept
 from shared.runtime.triton_utils import tl, triton
 
 
@@ -87,7 +88,7 @@ def post_update(
         assert output_bin_counts.shape == (state.max_num_reqs, state.vocab_size)
         assert output_bin_counts.stride(1) == 1
     bins = output_bin_counts if has_bins else state.num_computed_tokens.gpu  # dummy pointer
-    _post_update_kernel[(num_reqs,)](
+    kept(_post_update_kernel)((num_reqs,),
         idx_mapping, sampled, seq_lens, state.prefill_len.gpu, query_start_loc,
         state.num_computed_tokens.gpu,
         state.last_sampled_tokens.gpu, state.total_len.gpu, all_token_ids,

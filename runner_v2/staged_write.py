@@ -34,6 +34,7 @@ import torch
 
 from runner_v2.uva import device_view_of_pinned, is_uva_available
 from shared.runtime.host_buffers import pinned_empty, pinned_zeros
+from shared.runtime.triton_launch import kept
 from shared.runtime.triton_utils import tl, triton
 
 _SUPPORTED = {torch.int32: np.int32, torch.int64: np.int64, torch.float32: np.float32}
@@ -73,7 +74,7 @@ def launch_apply_write(
     assert meta.shape == (3 * num_writes + 1,) and meta.dtype in (torch.int32, torch.int64)
     assert contents.dtype == out.dtype and contents.dim() == 1
     assert meta.device == contents.device == out.device
-    _apply_write_kernel[(num_writes,)](
+    kept(_apply_write_kernel)((num_writes,),
         out, out.stride(0), meta, contents, num_writes, BLOCK=_APPLY_BLOCK
     )
 
@@ -131,7 +132,7 @@ def apply_row_scalars(tables: Sequence[StagedWriteTensor]) -> None:
     buf.numpy()[:] = rows + which + values
     device_buf = _to_device(buf, tables[0].device)
     targets = [t.gpu for t in tables] + [tables[0].gpu] * (MAX_SCALAR_TABLES - len(tables))
-    _apply_row_scalars_kernel[(n,)](*targets, device_buf[: 2 * n], device_buf[2 * n:], n)
+    kept(_apply_row_scalars_kernel)((n,), *targets, device_buf[: 2 * n], device_buf[2 * n:], n)
 
 
 def _to_device(packed: torch.Tensor, device: torch.device) -> torch.Tensor:

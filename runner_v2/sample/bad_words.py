@@ -31,6 +31,7 @@ from shared.contract.sampling_params import (
     MAX_BAD_WORDS_TOTAL_TOKENS,
     SamplingParams,
 )
+from shared.runtime.triton_launch import kept
 from shared.runtime.triton_utils import tl, triton
 
 # Prefix tokens compared per loop step, for all of a row's words at once; bad words are
@@ -96,7 +97,7 @@ class BadWordsState(StagedRowTables):
         if num_rows == 0:
             return
         assert self.allocated and segment.dtype == torch.int64
-        _write_kernel[(num_rows,)](
+        kept(_write_kernel)((num_rows,),
             segment, segment[num_rows * self.header_width:], self.word_tokens,
             self.word_offsets, self.num_words,
             MAX_TOTAL=self.max_total_tokens, MAX_WORDS=self.max_words,
@@ -191,7 +192,7 @@ def apply_bad_words(
     assert prompt_len.dtype == total_len.dtype == torch.int32
     if n == 0:
         return
-    _bad_words_kernel[(n,)](
+    kept(_bad_words_kernel)((n,),
         x, idx_mapping, all_token_ids, all_token_ids.stride(0), prompt_len, total_len,
         state.word_tokens, state.word_offsets, state.num_words, vocab_size,
         MAX_TOTAL=state.max_total_tokens, MAX_WORDS=state.max_words,

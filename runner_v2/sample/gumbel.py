@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 
+from shared.runtime.triton_launch import kept
 from shared.runtime.triton_utils import tl, triton
 from shared.sampling.noise_kernels import NOISE_BLOCK, gumbel_noise, row_lanes
 
@@ -134,14 +135,14 @@ def gumbel_sample(
     out = torch.empty(n, dtype=torch.int64, device=logits.device)
     if n == 0:
         return out
-    _gumbel_sample_kernel[(n, num_blocks)](
+    kept(_gumbel_sample_kernel)((n, num_blocks),
         logits, logits.stride(0), idx_mapping, positions, temperature, seeds,
         threshold if threshold is not None else block_max, block_max, block_arg,
         vocab_size, num_blocks,
         BLOCK=block, HAS_THRESHOLD=threshold is not None, IS_FP64=is_fp64,
         enable_fp_fusion=False,
     )
-    _reduce_blocks_kernel[(n,)](
+    kept(_reduce_blocks_kernel)((n,),
         block_max, block_arg, out, num_blocks, BLOCK=triton.next_power_of_2(num_blocks)
     )
     return out

@@ -27,6 +27,7 @@ from shared.contract.sampling_params import (
     MAX_LOGIT_BIAS_TOKENS,
     SamplingParams,
 )
+from shared.runtime.triton_launch import kept
 from shared.runtime.triton_utils import tl, triton
 
 MASK_BLOCK = 1024
@@ -96,7 +97,7 @@ class LogitBiasState(StagedRowTables):
         if num_rows == 0:
             return
         assert self.allocated and segment.dtype == torch.int64
-        _write_kernel[(num_rows,)](
+        kept(_write_kernel)((num_rows,),
             segment, segment[num_rows * self.header_width:], self.allowed_ids,
             self.num_allowed, self.bias_ids, self.bias_values, self.num_bias,
             MAX_ALLOWED=self.max_allowed, MAX_BIAS=self.max_bias, BLOCK=1024,
@@ -217,12 +218,12 @@ def apply_allowed_and_bias(
                       device=logits.device)
     if n == 0:
         return out
-    _mask_kernel[(n, triton.cdiv(vocab_size, block))](
+    kept(_mask_kernel)((n, triton.cdiv(vocab_size, block)),
         logits, logits.stride(0), out, idx_mapping, state.num_allowed, vocab_size,
         BLOCK=block, HAS_ALLOWED=has_allowed, IS_FP64=is_fp64,
     )
     if has_allowed or has_bias:
-        _scatter_kernel[(n,)](
+        kept(_scatter_kernel)((n,),
             logits, logits.stride(0), out, idx_mapping, state.allowed_ids, state.num_allowed,
             state.bias_ids, state.bias_values, state.num_bias, vocab_size,
             MAX_ALLOWED=state.max_allowed, MAX_BIAS=state.max_bias,

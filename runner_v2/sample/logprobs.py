@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from runner_v2.sample.gumbel import load_logits, to_compute
+from shared.runtime.triton_launch import kept
 from shared.runtime.triton_utils import tl, triton
 from shared.sampling.top_ids import top_ids
 
@@ -62,7 +63,7 @@ def compute_logprobs(
     lse = torch.empty(n, dtype=torch.float64, device=logits.device)
     ranks = torch.empty(n, dtype=torch.int64, device=logits.device)
     if n > 0:
-        _lse_rank_kernel[(n,)](
+        kept(_lse_rank_kernel)((n,),
             logits, logits.stride(0), sampled, lse, ranks, vocab_size,
             BLOCK=block, IS_FP64=is_fp64,
         )

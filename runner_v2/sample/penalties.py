@@ -17,6 +17,7 @@ import torch
 
 from runner_v2.sample.gumbel import div_ieee, load_logits
 from runner_v2.sample.states import SamplingStates
+from shared.runtime.triton_launch import kept
 from shared.runtime.triton_utils import tl, triton
 
 PENALTY_BLOCK = 1024
@@ -96,7 +97,7 @@ def apply_penalties_and_min_tokens(
         prompt_mask, counts = states.prompt_bin_mask, states.output_bin_counts
     else:  # never dereferenced: HAS_PENALTIES is False
         prompt_mask, counts = states.min_tokens, states.min_tokens
-    _penalties_kernel[(n, triton.cdiv(vocab_size, block))](
+    kept(_penalties_kernel)((n, triton.cdiv(vocab_size, block)),
         logits, logits.stride(0), out, idx_mapping, positions,
         states.repetition_penalty, states.frequency_penalty, states.presence_penalty,
         prompt_mask, counts, states.min_tokens, states.prompt_len, states.num_stop_ids,

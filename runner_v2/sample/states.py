@@ -39,6 +39,7 @@ from runner_v2.sample.bad_words import BadWordsState
 from runner_v2.sample.logit_bias import LogitBiasState
 from runner_v2.uva import async_copy_to_device
 from shared.contract.sampling_params import SamplingParams
+from shared.runtime.triton_launch import kept
 from shared.runtime.triton_utils import tl, triton
 
 # Column layout of one staged record (int64 words; floats as float64 bit patterns).
@@ -333,7 +334,7 @@ def write_rows(states: SamplingStates, records: torch.Tensor) -> None:
     """Scatter staged records (int64 [n, WIDTH], already on the device) into the rows."""
     n, width = records.shape
     assert width == NUM_COLUMNS.value + states.max_stop_ids and records.dtype == torch.int64
-    _write_rows_kernel[(n,)](
+    kept(_write_rows_kernel)((n,),
         records, states.temperature, states.top_k, states.top_p, states.min_p, states.seeds,
         states.repetition_penalty, states.frequency_penalty, states.presence_penalty,
         states.min_tokens, states.prompt_len, states.num_stop_ids, states.stop_ids,
@@ -385,7 +386,7 @@ def bincount_rows(
     # From zero: whatever an earlier request of the same row left there is stale.
     mask.index_fill_(0, rows, 0)
     counts.index_fill_(0, rows, 0)
-    _bincount_kernel[(rows.shape[0],)](
+    kept(_bincount_kernel)((rows.shape[0],),
         tokens, starts, rows, prompt_lens, mask, counts, states.vocab_size, mask.shape[1],
         BLOCK=1024,
     )

@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 
 from runner_v2.sample.gumbel import NOISE_BLOCK, div_ieee, load_logits
+from shared.runtime.triton_launch import kept
 from shared.runtime.triton_utils import tl, triton
 
 
@@ -180,7 +181,7 @@ def compute_thresholds(
     out = torch.empty(n, dtype=torch.float64 if is_fp64 else torch.float32, device=logits.device)
     if n == 0:
         return out
-    _threshold_kernel[(n,)](
+    kept(_threshold_kernel)((n,),
         logits, logits.stride(0), idx_mapping, temperature, top_p, min_p, top_k, out,
         vocab_size, BLOCK=block, IS_FP64=is_fp64, enable_fp_fusion=False,
     )

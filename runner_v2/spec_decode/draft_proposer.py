@@ -30,6 +30,7 @@ from shared.runtime.draft_executor import DraftForward
 from shared.runtime.draft_graphs import DraftGraphConfig
 from shared.runtime.host_buffers import copy_packed_to_device
 from shared.runtime.model_executor import ModelExecutor
+from shared.runtime.triton_launch import kept
 from shared.runtime.triton_utils import tl, triton
 from shared.sampling.draft_sampling import sample_draft
 
@@ -207,7 +208,7 @@ class V2DraftProposer:
         # the whole verify step on the stream and serialise the draft's launches behind it
         qsl_dev, sel = copy_packed_to_device([qsl, sampled], dev)
         at = req_states.all_token_ids.gpu
-        _catch_up_inputs_kernel[(n,)](
+        kept(_catch_up_inputs_kernel)((n,),
             batch.idx_mapping, batch.seq_lens, batch.query_start_loc, qsl_dev,
             req_states.total_len.gpu, at, at.stride(0),
             block_table, block_table.stride(0), self.block_size, self.max_model_len,
@@ -236,7 +237,7 @@ class V2DraftProposer:
         # before it writes positions[s], so prev_pos may be this very view)
         ids, positions, slots = fwd.input_ids[:n], fwd.positions[:n], fwd.slot_mapping[:n]
         seq_lens = self._metadata_rows(n, torch.int32)
-        _decode_inputs_kernel[(n,)](
+        kept(_decode_inputs_kernel)((n,),
             rows, prev_pos, tokens, block_table, block_table.stride(0), self.block_size,
             self.max_model_len, ids, positions, slots, seq_lens,
         )  # fmt: skip

@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from runner_v2.states import RequestState
+from shared.runtime.triton_launch import kept
 from shared.runtime.triton_utils import tl, triton
 
 
@@ -72,7 +73,7 @@ def spec_post_update(
     assert output_token_ids.dtype == torch.int64 and output_token_ids.stride(1) == 1
     num_sampled = num_sampled.to(torch.int32)
     all_token_ids = state.all_token_ids.gpu
-    _spec_post_update_kernel[(num_reqs,)](
+    kept(_spec_post_update_kernel)((num_reqs,),
         idx_mapping, output_token_ids, output_token_ids.stride(0), num_sampled, cu_num_logits,
         seq_lens, query_start_loc, state.prefill_len.gpu, state.num_computed_tokens.gpu,
         state.last_sampled_tokens.gpu, state.total_len.gpu, all_token_ids,

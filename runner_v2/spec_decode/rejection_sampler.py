@@ -21,6 +21,7 @@ from runner_v2.sample.states import SamplingStates
 from runner_v2.sample.top_k_top_p import compute_thresholds
 from runner_v2.spec_decode import rejection_kernels as K
 from shared.contract.sampler_output import RejectionOutput
+from shared.runtime.triton_launch import kept
 from shared.runtime.triton_utils import triton
 from shared.sampling.noise_kernels import NOISE_BLOCK
 
@@ -118,17 +119,17 @@ def rejection_sample(
     common = dict(BLOCK=NOISE_BLOCK, HAS_Q=has_q, HAS_THRESHOLD=threshold is not None,
                   IS_FP64=is_fp64, enable_fp_fusion=False)
     if method != "synthetic":
-        K._row_stats_kernel[(n, width)](
+        kept(K._row_stats_kernel)((n, width),
             logits, logits.stride(0), expanded_idx_mapping, cu_num_logits, draft_token_ids, q,
             st.temperature, thr, lmax, z, p_d, q_d, vocab, **common)
     if method == "block":
-        K._block_weights_kernel[(n,)](expanded_idx_mapping, cu_num_logits, st.temperature,
+        kept(K._block_weights_kernel)((n,), expanded_idx_mapping, cu_num_logits, st.temperature,
                                       p_d, q_d, w, max_k, enable_fp_fusion=False)
-        K._block_mass_kernel[(n, width)](
+        kept(K._block_mass_kernel)((n, width),
             logits, logits.stride(0), expanded_idx_mapping, cu_num_logits, draft_token_ids, q,
             st.temperature, thr, lmax, z, w, s, vocab, **common)
     rates = synthetic_rates if method == "synthetic" else lmax
-    K._decide_kernel[(n,)](
+    kept(K._decide_kernel)((n,),
         expanded_idx_mapping, cu_num_logits, positions, draft_token_ids, target,
         st.temperature, st.seeds, rates, p_d, q_d, w, s,
         out, num_sampled, out_row, need, w_res, width,
@@ -138,11 +139,11 @@ def rejection_sample(
     block_max = torch.empty(n, num_blocks, dtype=torch.float64, device=dev)
     block_arg = torch.empty(n, num_blocks, dtype=torch.int64, device=dev)
     if method != "synthetic":
-        K._residual_kernel[(n, num_blocks)](
+        kept(K._residual_kernel)((n, num_blocks),
             logits, logits.stride(0), expanded_idx_mapping, positions, draft_token_ids, q,
             st.temperature, st.seeds, thr, lmax, z, out_row, need, w_res,
             block_max, block_arg, vocab, num_blocks, **common)
-    K._finish_kernel[(n,)](
+    kept(K._finish_kernel)((n,),
         block_max, block_arg, out_row, num_sampled, target, out, width, num_blocks,
         HAS_RESIDUAL=method != "synthetic", BLOCK=max(2, triton.next_power_of_2(num_blocks)))
     return RejectionOutput(out, num_sampled)

@@ -23,6 +23,10 @@ instrumentation) are taken as they were at the first call. The runner's kernels 
 none of these; a kernel that does should not be launched through this.
 
 Under the interpreter there is no compiled kernel: every call is a JIT call.
+
+KeptLaunches does the same for a kernel launched once per step with a grid that follows
+the batch (V2's input preparation, sampler and post-update, the shared noise): one
+RepeatLaunch per (grid, compile-time arguments), made at its first call.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from shared.runtime.kernel_options import kernel_options
 from shared.runtime.triton_utils import HAS_CUDA, INTERPRET
 
 
@@ -94,6 +99,53 @@ class RepeatLaunch:
             elif type(a) is not type(k) or a != k:
                 return False
         return True
+
+
+class KeptLaunches:
+    """`KeptLaunches(kernel)(grid, *args, **kwargs)` is `kernel[grid](*args, **kwargs)`:
+    positional arguments are the runtime ones, every call the same count; kwargs the
+    constexprs and launch options. A per-step kernel pays Triton's dispatch (binding and
+    specialising a dozen or more arguments, tens of microseconds of host time on the
+    hosts measured: docs/results/README.md, mixed steps) at every launch; here a grid and
+    kwargs seen before launch the kernel kept for them (RepeatLaunch's rule decides, per
+    call, whether the kept kernel may run it). KernelOptions.repeat_launches False: every
+    call through the JIT."""
+
+    # Distinct (grid, kwargs) kept at most: grids follow the batch size, so a long run
+    # sees at most a few per batch size; past this the cache starts again.
+    MAX_KEPT = 4096
+
+    def __init__(self, kernel: Any) -> None:
+        self.kernel = kernel
+        self._launches: dict[tuple, RepeatLaunch] = {}
+
+    def __call__(self, grid: tuple[int, ...], *args: Any, **kwargs: Any) -> None:
+        if INTERPRET or not kernel_options().repeat_launches:
+            self.kernel[grid](*args, **kwargs)
+            return
+        key = (tuple(grid), *kwargs.items())
+        launch = self._launches.get(key)
+        if launch is None:
+            if any(isinstance(v, torch.Tensor) for v in kwargs.values()):
+                # a tensor bound by name would key the cache by its identity
+                self.kernel[grid](*args, **kwargs)
+                return
+            if len(self._launches) >= self.MAX_KEPT:
+                self._launches.clear()
+            launch = self._launches[key] = RepeatLaunch(self.kernel, grid, **kwargs)
+        launch(*args)
+
+
+_KEPT: dict[int, KeptLaunches] = {}
+
+
+def kept(kernel: Any) -> KeptLaunches:
+    """The process's KeptLaunches of `kernel` (a module-level Triton kernel): call sites
+    write `kept(kernel)(grid, *args, **constexprs)` where they wrote `kernel[grid](...)`."""
+    launches = _KEPT.get(id(kernel))
+    if launches is None or launches.kernel is not kernel:
+        launches = _KEPT[id(kernel)] = KeptLaunches(kernel)
+    return launches
 
 
 # The argument types a kept kernel's calls are compared in (tensors by dtype and alignment,

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from shared.runtime.triton_launch import kept
 from shared.runtime.triton_utils import tl, triton
 from shared.sampling.noise import ACCEPT_SALT
 
@@ -135,7 +136,7 @@ def _noise(seeds: torch.Tensor, positions: torch.Tensor, vocab_size: int, block:
     if n == 0:
         return out
     grid = (n, triton.cdiv(vocab_size, block))
-    _noise_kernel[grid](seeds.contiguous(), positions.contiguous(), out, vocab_size,
+    kept(_noise_kernel)(grid, seeds.contiguous(), positions.contiguous(), out, vocab_size,
                         BLOCK=block, GUMBEL=gumbel, enable_fp_fusion=False)
     return out
 
@@ -175,6 +176,6 @@ def triton_acceptance_uniform(
     n = seeds.shape[0]
     out = torch.empty(n, dtype=torch.float64, device=seeds.device)
     if n:
-        _acceptance_kernel[(triton.cdiv(n, block),)](
+        kept(_acceptance_kernel)((triton.cdiv(n, block),),
             seeds, positions, offsets, out, n, BLOCK=block, enable_fp_fusion=False)
     return out

@@ -13,7 +13,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import shared.runtime.triton_launch as triton_launch
-from shared.runtime.triton_launch import RepeatLaunch
+from policy.kernel_options import KernelOptions
+from shared.runtime.kernel_options import use_kernel_options
+from shared.runtime.triton_launch import KeptLaunches, RepeatLaunch, kept
 
 
 def _kernel_fn(x_ptr, n, scale, y_ptr, BLOCK, FLAG=True):  # noqa: N803 (Triton's names)
@@ -197,3 +199,39 @@ def test_another_current_device_goes_through_the_jit(monkeypatch):
     monkeypatch.setattr(triton_launch, "_current_device", lambda: 1)
     launch(x, 8, 0.5, y)
     assert [e[0] for e in kernel.log] == ["jit", "jit"]
+
+
+def test_kept_launches_keep_one_kernel_per_grid_and_constexprs():
+    """A per-step kernel whose grid follows the batch: each (grid, kwargs) keeps its own
+    compiled kernel after its first (JIT) call; a new grid or constexpr is a JIT call."""
+    kernel = _Kernel()
+    launches = KeptLaunches(kernel)
+    x, y = torch.zeros(8), torch.zeros(8)
+    calls = [((4,), 64), ((4,), 64), ((8,), 64), ((4,), 64), ((8,), 64), ((4,), 32),
+             ((4,), 32)]
+    for grid, block in calls:
+        launches(grid, x, 8, 0.5, y, BLOCK=block)
+    assert [(e[0], e[1]) for e in kernel.log] == [
+        ("jit", (4, 1, 1)), ("kept", (4, 1, 1)), ("jit", (8, 1, 1)), ("kept", (4, 1, 1)),
+        ("kept", (8, 1, 1)), ("jit", (4, 1, 1)), ("kept", (4, 1, 1))]
+    # the kept launches pass each grid's own constexprs
+    assert kernel.log[-1][2] == (x, 8, 0.5, y, 32, True)
+    assert kernel.log[3][2] == (x, 8, 0.5, y, 64, True)
+
+
+def test_kept_launches_take_the_jit_when_told_or_for_a_tensor_by_name():
+    kernel = _Kernel()
+    launches = KeptLaunches(kernel)
+    x, y = torch.zeros(8), torch.zeros(8)
+    with use_kernel_options(KernelOptions(repeat_launches=False)):
+        for _ in range(2):
+            launches((1,), x, 8, 0.5, y, BLOCK=16)
+    for _ in range(2):  # y bound by name: never a cache key
+        launches((1,), x, 8, 0.5, y_ptr=y, BLOCK=16)
+    assert [e[0] for e in kernel.log] == ["jit"] * 4
+    assert not launches._launches
+
+
+def test_kept_returns_one_kept_launches_per_kernel():
+    a, b = _Kernel(), _Kernel()
+    assert kept(a) is kept(a) and kept(a) is not kept(b) and kept(b).kernel is b
