@@ -114,3 +114,38 @@ def test_uva_token_table_is_host_memory_read_by_kernels() -> None:
     row_tokens = table._host_base[row].tolist()
     assert row_tokens[:39] == list(range(1, 40))
     assert row_tokens[39:43] == outputs[:4]
+
+
+def _seeded_tokens(repeat_launches: bool) -> list[list[int]]:
+    engine = _v2_engine(dtype="float32", kernel_options={"repeat_launches": repeat_launches})
+    for i in range(6):
+        engine.add_request(str(i), [(i * 13 + j) % 900 + 1 for j in range(5 + 3 * i)],
+                           SamplingParams(max_tokens=12, temperature=0.8, top_p=0.9, seed=i,
+                                          ignore_eos=True))
+    tokens: dict[str, list[int]] = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            tokens[out.request_id] = list(out.outputs[0].token_ids)
+    return [tokens[str(i)] for i in range(6)]
+
+
+def test_kept_launches_give_the_dispatchs_tokens_and_skip_it(monkeypatch) -> None:
+    """The per-step kernels (input prep, sampler, post-update) through their kept compiled
+    kernels sample exactly what Triton's dispatch gives; and the kept path is taken: the
+    sampler's kernel goes through the JIT far less often than it launches."""
+    from runner_v2.sample import gumbel
+
+    kernel = gumbel._gumbel_sample_kernel
+    jit_calls, run = [], kernel.run
+
+    def counted(*args, **kwargs):
+        jit_calls.append(1)
+        return run(*args, **kwargs)
+
+    monkeypatch.setattr(kernel, "run", counted)
+    dispatched = _seeded_tokens(repeat_launches=False)
+    dispatch_calls = len(jit_calls)
+    jit_calls.clear()
+    assert _seeded_tokens(repeat_launches=True) == dispatched
+    assert dispatch_calls >= 12 and len(jit_calls) < dispatch_calls / 2, (
+        len(jit_calls), dispatch_calls)
