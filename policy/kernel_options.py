@@ -55,8 +55,10 @@ class KernelOptions(BaseModel):
         True, description="a kernel launched once per layer with the same arguments but "
                           "the layer's tensors (the eager attention of a piecewise step) "
                           "launches its compiled kernel directly after the first layer "
-                          "(shared/runtime/triton_launch.py); False: Triton's dispatch every "
-                          "time (benchmarks: docs/results/README.md, mixed steps)")
+                          "(shared/runtime/triton_launch.py), and a per-step kernel (V2's input "
+                          "prep, sampler, post-update; the shared noise) its compiled kernel per "
+                          "grid; False: Triton's dispatch every time (benchmarks: "
+                          "docs/results/README.md, mixed steps and the sample stage's host time)")
     nvtx: bool = Field(False, description="NVTX ranges around each runner stage")
     batch_invariant: bool = Field(
         False, description="every kernel on the step's path computes a row with a reduction "
