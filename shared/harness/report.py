@@ -138,6 +138,9 @@ def _print_entry(e: dict, labels: list[str], both: bool) -> None:
     rows = [(row, stat_keys(row)) for row in ROWS]
     if median(first, "forward_gpu_ms") is not None:
         rows.append(("fwd GPU", ("forward_gpu_ms",)))
+    if median(first, "step_gpu_ms") is not None:
+        # forward + LM head + sampler: a steady step this close to it leaves no GPU idle
+        rows.append(("step GPU", ("step_gpu_ms",)))
     if median(first, "steady_ms") is not None:
         rows.append(("steady", ("steady_ms",)))
     for stage, keys in rows:
