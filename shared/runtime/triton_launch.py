@@ -105,8 +105,8 @@ class KeptLaunches:
     """`KeptLaunches(kernel)(grid, *args, **kwargs)` is `kernel[grid](*args, **kwargs)`:
     positional arguments are the runtime ones, every call the same count; kwargs the
     constexprs and launch options. A per-step kernel pays Triton's dispatch (binding and
-    specialising a dozen or more arguments, tens of microseconds of host time on the
-    hosts measured: docs/results/README.md, mixed steps) at every launch; here a grid and
+    specialising a dozen or more arguments: docs/results/README.md, mixed steps and the
+    sample stage's host time) at every launch; here a grid and
     kwargs seen before launch the kernel kept for them (RepeatLaunch's rule decides, per
     call, whether the kept kernel may run it). KernelOptions.repeat_launches False: every
     call through the JIT."""
