@@ -2,7 +2,7 @@
 # The GPU machine's one entry point: install what the image lacks from carried wheels,
 # run the gpu-marked tests, run the benchmarks, write everything under $OUT.
 #
-#   scripts/gpu_check.sh [gemv|tune|tests|boundary|attention|decode|profile|ab|ab_async|ab_embed|spec|ab_spec|builtins|sample_host|mixed|host_waits|bi|bi_tests|bi_bench|ab_bi|serve|gguf_part0|ngram|hf|all]...
+#   scripts/gpu_check.sh [gemv|tune|tests|boundary|attention|decode|profile|ab|ab_async|ab_embed|spec|ab_spec|builtins|sample_host|churn_host|mixed|host_waits|bi|bi_tests|bi_bench|ab_bi|serve|gguf_part0|ngram|hf|all]...
 #
 # Stages run in the order of this file, whatever the order of the arguments. gemv and tune
 # write a GEMV launch table to $OUT/gemv_configs.json (gemv per shape, tune llama-3-8b's
@@ -116,6 +116,15 @@ if want sample_host; then
   for b in 1 256; do
     python3 scripts/profile_sample_host.py --model qwen3-0.6b --batch $b \
       --out "$OUT/sample_host_b$b.json" 2>&1 | grep -v "^INFO" | tee "$OUT/sample_host_b$b.txt"
+  done
+fi
+if want churn_host; then
+  # issue 21: where V2's churn steps spend their extra host time, both runners, async:
+  # execute_model (preprocess and the forward's launches), then sample_tokens
+  for stage in execute sample; do
+    python3 scripts/profile_sample_host.py --model qwen3-0.6b --workload churn --live 64 \
+      --async-scheduling --stage $stage --out "$OUT/churn_host_$stage.json" 2>&1 \
+      | grep -v "^INFO" | tee "$OUT/churn_host_$stage.txt"
   done
 fi
 if want mixed; then

@@ -41,26 +41,23 @@ def build(args, runner: str):
 def workload(engine, args):
     """A step function that keeps the workload going (adds requests as it needs)."""
     from shared.contract.sampling_params import SamplingParams
-    from shared.harness.workloads import CHURN_MAX_TOKENS, CHURN_PROMPT_LEN
-
-    rng = random.Random(2)
-    vocab = min(engine.vocab_size, 10000)
-    counter = iter(range(1 << 30))
-
-    def add(prompt_len: int, max_tokens: int) -> None:
-        engine.add_request(f"r{next(counter)}", [rng.randint(1, vocab - 1) for _ in range(prompt_len)],
-                           SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
+    from shared.harness.workloads import ChurnArrivals
 
     if args.workload == "decode":
-        for _ in range(args.batch):
-            add(128, 100_000)
+        rng = random.Random(2)
+        vocab = min(engine.vocab_size, 10000)
+        for i in range(args.batch):
+            engine.add_request(f"r{i}", [rng.randint(1, vocab - 1) for _ in range(128)],
+                               SamplingParams(max_tokens=100_000, temperature=0.0,
+                                              ignore_eos=True))
 
         def step():
             engine.step()
     else:
+        arrivals = ChurnArrivals(engine, args.live, "r")
+
         def step():
-            while engine.get_num_unfinished_requests() < args.live:
-                add(rng.randint(*CHURN_PROMPT_LEN), rng.randint(*CHURN_MAX_TOKENS))
+            arrivals.top_up()
             engine.step()
     return step
 

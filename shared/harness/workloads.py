@@ -90,6 +90,31 @@ CHURN_MAX_TOKENS = (2, 12)
 THROUGHPUT_MAX_LEN = 2048
 
 
+class ChurnArrivals:
+    """churn's arrivals: `top_up()` adds greedy requests (prompt and output lengths drawn
+    from CHURN_PROMPT_LEN / CHURN_MAX_TOKENS, seeded) until about `live` are unfinished.
+    The profiling scripts drive the same arrivals (scripts/profile_host_waits.py,
+    scripts/profile_sample_host.py)."""
+
+    def __init__(self, engine: LLMEngine, live: int, tag: str, seed: int = 2) -> None:
+        self.engine, self.live, self.tag = engine, live, tag
+        self.rng = random.Random(seed)
+        self.added = 0
+
+    def _add(self) -> None:
+        rng, engine = self.rng, self.engine
+        prompt = [rng.randint(1, min(engine.vocab_size, 10000) - 1)
+                  for _ in range(rng.randint(*CHURN_PROMPT_LEN))]
+        params = SamplingParams(max_tokens=rng.randint(*CHURN_MAX_TOKENS), temperature=0.0,
+                                ignore_eos=True)
+        engine.add_request(f"{self.tag}{self.added}", prompt, params)
+        self.added += 1
+
+    def top_up(self) -> None:
+        while self.engine.get_num_unfinished_requests() < self.live:
+            self._add()
+
+
 def churn(engine: LLMEngine, live: int, steps: int, tag: str) -> RunResult:
     """Keep about `live` requests running; each lives 2-12 tokens, so every step some
     finish (holes in V1, freed rows in V2) and new ones arrive. `steps` steps with per-step
@@ -97,22 +122,9 @@ def churn(engine: LLMEngine, live: int, steps: int, tag: str) -> RunResult:
     async scheduling a step's wall sample is the time between two returns, while the run
     is what a user sees (StepSamples reads the GPU times after the run, so neither waits
     on the GPU step by step)."""
-    rng = random.Random(2)
     samples, tokens = StepSamples(), {}
-    next_id = 0
-
-    def add() -> None:
-        nonlocal next_id
-        prompt = [rng.randint(1, min(engine.vocab_size, 10000) - 1)
-                  for _ in range(rng.randint(*CHURN_PROMPT_LEN))]
-        params = SamplingParams(max_tokens=rng.randint(*CHURN_MAX_TOKENS), temperature=0.0,
-                                ignore_eos=True)
-        engine.add_request(f"{tag}{next_id}", prompt, params)
-        next_id += 1
-
-    def top_up() -> None:
-        while engine.get_num_unfinished_requests() < live:
-            add()
+    arrivals = ChurnArrivals(engine, live, tag)
+    top_up = arrivals.top_up
 
     top_up()
     for _ in range(steps):
@@ -131,7 +143,7 @@ def churn(engine: LLMEngine, live: int, steps: int, tag: str) -> RunResult:
     sync_engine(engine)
     steady_ms = (time.perf_counter() - t0) * 1e3 / steps
     _drain(engine, None, tokens)
-    return RunResult(samples, tokens, {"requests": next_id, "steady_ms": steady_ms})
+    return RunResult(samples, tokens, {"requests": arrivals.added, "steady_ms": steady_ms})
 
 
 def nano_vllm_workload(num_requests: int = 256, min_len: int = 100, max_len: int = 1024):
