@@ -31,12 +31,10 @@ from runner_v1.prompt_logprobs import compute_prompt_logprobs_v1
 from runner_v1.request_state import CachedRequestState
 from runner_v1.sampler import Sampler
 from runner_v1.sampling_metadata import SamplingMetadata
-from runner_v1.spec_decode.async_spec import correct_positions, record_spec_step
+from runner_v1.spec_decode.async_spec import correct_positions
+from runner_v1.spec_decode.bookkeeping import spec_bookkeeping
 from runner_v1.spec_decode.draft_inputs import StepTokens
-from runner_v1.spec_decode.metadata import (
-    SpecDecodeMetadata,
-    append_accepted,
-)
+from runner_v1.spec_decode.metadata import SpecDecodeMetadata
 from runner_v1.spec_decode.rejection_sampler import RejectionOutput
 from runner_v1.spec_decode.speculator import V1Speculator
 from runner_v1.tp_sampling import RankZeroSampling
@@ -254,7 +252,8 @@ class GPUModelRunner(RunnerSetupMixin):
                     state.hidden_states, self.executor)
         with self.timer.stage("postprocess"):
             if state.spec is not None:
-                output = self._spec_bookkeeping(state, spec_out)
+                output = spec_bookkeeping(self, state.req_ids, state.inputs,
+                                          state.spec.num_draft_tokens, spec_out)
             else:
                 output = self._bookkeeping(state, sampler_output, prompt_lps)
             self._propose(output, state)
@@ -267,29 +266,6 @@ class GPUModelRunner(RunnerSetupMixin):
         positions = state.inputs.positions[md.logits_indices]
         return self.tp_sampling.run(lambda: self.speculator.sample(
             logits, state.sampling_metadata, positions, md, state.req_ids))
-
-    def _spec_bookkeeping(self, state: _ExecuteState, out: RejectionOutput) -> ModelRunnerOutput:
-        """The accepted runs into the batch and the requests; under async scheduling
-        placeholders instead, the values on their way (async_spec.record_spec_step)."""
-        batch = self.persistent_batch
-        n = state.inputs.num_reqs
-        # a partial prefill chunk samples nothing (its row has no drafts)
-        rows = np.flatnonzero(state.inputs.seq_lens_cpu[:n].numpy() >= batch.num_tokens[:n])
-        if self.async_scheduling:
-            return record_spec_step(self, state.req_ids, rows, state.spec.num_draft_tokens, out)
-        tokens = out.output_token_ids.cpu().numpy()  # the step's one sync
-        counts = out.num_sampled.cpu().numpy().astype(np.int64)
-        append_accepted(batch, rows, tokens[rows], counts[rows])
-        sampled: list[list[int]] = [[] for _ in range(n)]
-        for row in rows.tolist():  # per request: its accepted run
-            run = tokens[row, : counts[row]].tolist()
-            sampled[row] = run
-            self.requests[state.req_ids[row]].output_token_ids.extend(run)
-        return ModelRunnerOutput(
-            req_ids=state.req_ids,
-            req_id_to_index={r: i for i, r in enumerate(state.req_ids)},
-            sampled_token_ids=sampled,
-        )
 
     def _launch_drafts(self, state: _ExecuteState, new_tokens: torch.Tensor,
                        num_new: torch.Tensor | None) -> None:
