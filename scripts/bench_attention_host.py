@@ -14,29 +14,18 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 
 import torch
 import triton
 import triton.language as tl
+
+from shared.harness.measure import host_us_per_call
 
 
 @triton.jit
 def _noop_kernel(x_ptr, n, BLOCK: tl.constexpr):
     offs = tl.arange(0, BLOCK)
     tl.store(x_ptr + offs, tl.load(x_ptr + offs, mask=offs < n), mask=offs < n)
-
-
-def per_call_us(fn, iters: int) -> float:
-    for _ in range(20):
-        fn()
-    torch.cuda.synchronize()
-    t = time.perf_counter()
-    for _ in range(iters):
-        fn()
-    host = time.perf_counter() - t
-    torch.cuda.synchronize()
-    return host / iters * 1e6
 
 
 def main() -> None:
@@ -107,11 +96,11 @@ def main() -> None:
         "plan.launch both mappings, 8 splits, kept": plan_launch(8, True),
     }
     for name, fn in cases.items():
-        results[name] = per_call_us(fn, args.iters)
+        results[name] = host_us_per_call(fn, args.iters)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out.mul_(1.0)
-    results["CUDAGraph.replay (1 kernel)"] = per_call_us(graph.replay, args.iters)
+    results["CUDAGraph.replay (1 kernel)"] = host_us_per_call(graph.replay, args.iters)
     for name, us in results.items():
         print(f"{name:<48} {us:8.1f} us")
     if args.out:

@@ -11,27 +11,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 
 import torch
 
 from policy.kernel_options import KernelOptions
 from runner_v2.sample.gumbel import gumbel_sample
 from runner_v2.sample.top_k_top_p import compute_thresholds
+from shared.harness.measure import host_us_per_call
 from shared.runtime.kernel_options import use_kernel_options
 from shared.sampling.noise_kernels import triton_gumbel_noise
-
-
-def per_call_us(fn, iters: int) -> float:
-    for _ in range(20):
-        fn()
-    torch.cuda.synchronize()
-    t = time.perf_counter()
-    for _ in range(iters):
-        fn()
-    host = time.perf_counter() - t
-    torch.cuda.synchronize()
-    return host / iters * 1e6
 
 
 def main() -> int:
@@ -65,7 +53,7 @@ def main() -> int:
         for _ in range(args.repeats):  # alternating, so drift hits both alike
             for mode, keep in (("dispatch", False), ("kept", True)):
                 with use_kernel_options(KernelOptions(repeat_launches=keep)):
-                    results[name][mode].append(per_call_us(fn, args.iters))
+                    results[name][mode].append(host_us_per_call(fn, args.iters))
     print(f"host us per call, median of {args.repeats} ({torch.cuda.get_device_name()}; "
           f"{n} rows x {v})")
     for name, r in results.items():

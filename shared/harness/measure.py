@@ -254,3 +254,17 @@ def maybe_profile(enabled: bool, output_dir: str, engine: str, label: str) -> It
     with torch.profiler.profile(activities=activities) as prof:
         yield
     prof.export_chrome_trace(os.path.join(output_dir, f"trace_{engine}_{label}.json"))
+
+
+def host_us_per_call(fn, iters: int) -> float:
+    """Host microseconds per call of `fn` (after 20 warm-up calls), for calls whose GPU
+    work is far shorter than their launch: a loop of `iters` calls measures the host."""
+    for _ in range(20):
+        fn()
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    host = time.perf_counter() - t
+    torch.cuda.synchronize()
+    return host / iters * 1e6
