@@ -161,10 +161,12 @@ class GPUModelRunner(RunnerSetupMixin):
         with self.timer.stage("sample"):
             hidden = state.hidden_states.index_select(0, batch.logits_indices)
             logits = self.executor.compute_logits(hidden)
-            # the position of each logit's input token: the seeded noise is keyed by it
-            positions = batch.positions.index_select(0, batch.logits_indices)
             # cached per batch composition: the sampler asks for the same flags below
             flags = self.sampling_states.batch_flags(batch.idx_mapping_np)
+            # the position of each logit's input token: the seeded noise is keyed by it
+            # (an all-greedy batch without penalties or min_tokens reads none: no gather)
+            positions = (batch.positions.index_select(0, batch.logits_indices)
+                         if flags.needs_positions else None)
             out = self.sampler(
                 logits, batch.idx_mapping, positions, flags.max_num_logprobs,
                 batch.idx_mapping_np,

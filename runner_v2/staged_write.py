@@ -197,8 +197,16 @@ class StagedWriteTensor:
         self._add_run(row, start, start + n)
 
     def stage_write_elem(self, row: int, value: int | float) -> None:
-        """Stage one value at column 0 of `row` (per-row scalar fields)."""
-        self.stage_write(row, 0, [value])
+        """Stage one value at column 0 of `row` (per-row scalar fields). A table of one
+        column takes a shortcut: its only run on a row is [0, 1), so it needs no merge
+        (an admission stages several of these per request)."""
+        if self.row_width != 1:
+            self.stage_write(row, 0, [value])
+            return
+        if not (0 <= row < self.num_rows):
+            raise IndexError(f"row {row} out of range [0, {self.num_rows})")
+        self._np2d[row, 0] = value
+        self._pending[row] = [[0, 1]]
 
     def _add_run(self, row: int, start: int, end: int) -> None:
         # Merge with every pending run it overlaps or touches: the mirror already holds

@@ -4,9 +4,10 @@ V2's churn steps, longer than V1's on the host).
 
   python3 scripts/profile_sample_host.py --model qwen3-0.6b --batch 256 [--runners v1,v2]
       [--steps 30] [--async-scheduling] [--device cuda] [--out FILE.json]
-      [--workload decode|churn] [--live 64] [--stage sample|execute]
+      [--workload decode|churn] [--live 64] [--stage sample|execute] [--temperature T]
 
-decode: `batch` requests of 32-token prompts decoding together (T 0.6, seeded); churn:
+decode: `batch` requests of 32-token prompts decoding together (seeded, --temperature,
+default 0.6; runnerlab ab's decode and churn workloads are greedy, --temperature 0); churn:
 about `live` requests arriving and finishing every few steps (runnerlab ab's churn,
 shared/harness/workloads.py ChurnArrivals). --stage sample profiles `sample_tokens`
 (the StageTimer's "sample" stage), execute profiles `execute_model` (its "preprocess"
@@ -53,7 +54,8 @@ def _step_function(engine: LLMEngine, args: argparse.Namespace):
             engine.step()
         return churn_step
     prompts = [[(i * 7 + j) % 1000 + 1 for j in range(32)] for i in range(args.batch)]
-    params = SamplingParams(max_tokens=10_000, temperature=0.6, seed=0, ignore_eos=True)
+    params = SamplingParams(max_tokens=10_000, temperature=args.temperature, seed=0,
+                            ignore_eos=True)
     for i, prompt in enumerate(prompts):
         engine.add_request(str(i), prompt, params)
     return engine.step
@@ -102,6 +104,7 @@ def main() -> int:
     p.add_argument("--workload", choices=["decode", "churn"], default="decode")
     p.add_argument("--live", type=int, default=64, help="churn: requests kept running")
     p.add_argument("--stage", choices=["sample", "execute"], default="sample")
+    p.add_argument("--temperature", type=float, default=0.6, help="decode workload only")
     p.add_argument("--out", default=None)
     args = p.parse_args()
     results = {}

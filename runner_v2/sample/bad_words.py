@@ -85,8 +85,12 @@ class BadWordsState(StagedRowTables):
 
     def add_request(self, row: int, sp: SamplingParams) -> None:
         """Stage every field of `row` for a new request."""
-        self.check(sp)
         words = sp.bad_words_token_ids or []
+        if not (words or self.allocated):  # the common add: nothing to stage
+            self.num_words_np[row] = 0
+            self._stage(row, False, ())
+            return
+        self.check(sp)
         self.num_words_np[row] = len(words)
         offsets = np.zeros(len(words) + 1, np.int64)
         np.cumsum([len(w) for w in words], out=offsets[1:])

@@ -64,18 +64,22 @@ def _gumbel_sample_kernel(
     BLOCK: tl.constexpr,
     HAS_THRESHOLD: tl.constexpr,
     IS_FP64: tl.constexpr,
+    ALL_GREEDY: tl.constexpr,  # every row greedy: pos_ptr, seeds, temperatures unread
 ):
     b = tl.program_id(0)
     blk = tl.program_id(1)
-    row = tl.load(idx_mapping_ptr + b)
     offs = blk * BLOCK + tl.arange(0, BLOCK)
     valid = offs < vocab_size
     x = load_logits(logits_ptr + b * logits_stride, offs, valid, IS_FP64)
-    temp = tl.load(temperature_ptr + row)
+    if ALL_GREEDY:
+        temp = 0.0
+    else:
+        temp = tl.load(temperature_ptr + tl.load(idx_mapping_ptr + b))
     if temp == 0:
         score = x.to(tl.float64)  # greedy: argmax of the processed logits, no noise
     else:
         scaled = div_ieee(x, temp.to(x.dtype), IS_FP64)
+        row = tl.load(idx_mapping_ptr + b)
         lane_hi, lane_lo = row_lanes(tl.load(seeds_ptr + row), tl.load(pos_ptr + b))
         score = scaled.to(tl.float64) + gumbel_noise(lane_hi, lane_lo, offs)
         if HAS_THRESHOLD:
@@ -104,7 +108,7 @@ def _reduce_blocks_kernel(
 def gumbel_sample(
     logits: torch.Tensor,
     idx_mapping: torch.Tensor,
-    positions: torch.Tensor,
+    positions: torch.Tensor | None,
     temperature: torch.Tensor,
     seeds: torch.Tensor,
     threshold: torch.Tensor | None,
@@ -113,13 +117,20 @@ def gumbel_sample(
 ) -> torch.Tensor:
     """Sampled token ids int64 [N]: greedy rows take the argmax, random rows Gumbel-max
     over scaled = logits / temperature restricted to scaled >= threshold (when given).
+    positions None: the caller knows every row is greedy (no noise is drawn, so none is
+    keyed; the kernel then reads no per-row parameter at all).
     workspace: (float64, int64) buffers of at least N * num_blocks elements for the
     per-block results, reused across calls (stream order keeps reuse safe); allocated
     per call without it."""
     n, vocab_size = logits.shape
     assert logits.stride(1) == 1
     assert idx_mapping.dtype == torch.int32 and idx_mapping.shape == (n,)
-    assert positions.dtype == torch.int64 and positions.shape == (n,)
+    all_greedy = positions is None
+    if all_greedy:
+        assert threshold is None, "a threshold filters random rows only"
+        positions = idx_mapping  # never read
+    else:
+        assert positions.dtype == torch.int64 and positions.shape == (n,)
     assert temperature.dtype == torch.float32 and seeds.dtype == torch.int64
     is_fp64 = logits.dtype == torch.float64
     if threshold is not None:
@@ -140,7 +151,7 @@ def gumbel_sample(
         threshold if threshold is not None else block_max, block_max, block_arg,
         vocab_size, num_blocks,
         BLOCK=block, HAS_THRESHOLD=threshold is not None, IS_FP64=is_fp64,
-        enable_fp_fusion=False,
+        ALL_GREEDY=all_greedy, enable_fp_fusion=False,
     )
     kept(_reduce_blocks_kernel)((n,),
         block_max, block_arg, out, num_blocks, BLOCK=triton.next_power_of_2(num_blocks)

@@ -82,9 +82,13 @@ class LogitBiasState(StagedRowTables):
 
     def add_request(self, row: int, sp: SamplingParams) -> None:
         """Stage every field of `row` for a new request."""
-        self.check(sp)
         allowed = sp.allowed_token_ids or []
         bias = sp.logit_bias or {}
+        if not (allowed or bias or self.allocated):  # the common add: nothing to stage
+            self.num_allowed_np[row] = self.num_bias_np[row] = 0
+            self._stage(row, False, ())
+            return
+        self.check(sp)
         self.num_allowed_np[row] = len(allowed)
         self.num_bias_np[row] = len(bias)
         # a float32 bias travels as its 32-bit pattern, exact

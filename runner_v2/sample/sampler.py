@@ -51,16 +51,21 @@ class Sampler:
         self,
         logits: torch.Tensor,
         idx_mapping: torch.Tensor,
-        positions: torch.Tensor,
+        positions: torch.Tensor | None,
         max_num_logprobs: int | None,
         idx_mapping_np: np.ndarray | None = None,
     ) -> SamplerOutput:
         """logits [N, V]; idx_mapping int32 [N] (batch row -> state row); positions
-        int64 [N] (position of each logit's input token). idx_mapping_np, the host copy
-        of idx_mapping when the caller has it, narrows the stage decision to the batch;
+        int64 [N] (position of each logit's input token), None allowed when the batch's
+        flags say it needs none (an all-greedy batch without penalties or min_tokens:
+        the runner then skips their gather). idx_mapping_np, the host copy of
+        idx_mapping when the caller has it, narrows the stage decision to the batch;
         without it the decision covers every row ever written (still correct)."""
         st = self.states
         flags = st.batch_flags(idx_mapping_np)
+        if positions is None and flags.needs_positions:
+            raise ValueError("this batch has random rows, penalties or min_tokens: the "
+                             "sampler needs the logits' positions")
         x = self.processed_logits(logits, idx_mapping, positions, flags)
         if self.logits_processors:
             if x is logits:  # processors may write in place; logprobs read the raw logits
@@ -72,7 +77,8 @@ class Sampler:
             threshold = compute_thresholds(
                 x, idx_mapping, st.temperature, st.top_k, st.top_p, st.min_p
             )
-        sampled = gumbel_sample(x, idx_mapping, positions, st.temperature, st.seeds, threshold,
+        sampled = gumbel_sample(x, idx_mapping, None if flags.all_greedy else positions,
+                                st.temperature, st.seeds, threshold,
                                 workspace=self._gumbel_workspace(logits))
         if max_num_logprobs is None:
             return SamplerOutput(sampled, None, None, None)
@@ -83,7 +89,7 @@ class Sampler:
         self,
         logits: torch.Tensor,
         idx_mapping: torch.Tensor,
-        positions: torch.Tensor,
+        positions: torch.Tensor | None,
         flags: BatchFlags,
     ) -> torch.Tensor:
         """The oracle's processed_logits for every row: allowed_token_ids, logit_bias,

@@ -56,6 +56,10 @@ C_MIN_TOKENS = tl.constexpr(9)
 C_PROMPT_LEN = tl.constexpr(10)
 C_NUM_STOP = tl.constexpr(11)
 NUM_COLUMNS = tl.constexpr(12)  # the stop-id table follows
+# add_request fills a record's integer and float columns with one assignment each
+_INT_COLUMNS = [c.value for c in (C_ROW, C_TOP_K, C_SEED, C_MIN_TOKENS, C_PROMPT_LEN, C_NUM_STOP)]
+_FLOAT_COLUMNS = [c.value for c in (C_TEMPERATURE, C_TOP_P, C_MIN_P, C_REPETITION, C_FREQUENCY,
+                                    C_PRESENCE)]
 
 # vLLM caps the ids masked for min_tokens at 128 as well.
 DEFAULT_MAX_STOP_IDS = 128
@@ -73,6 +77,13 @@ class BatchFlags:
     any_allowed_token_ids: bool = False
     any_logit_bias: bool = False
     any_bad_words: bool = False  # a row with bad_words_token_ids
+    all_greedy: bool = False  # no random row: the sampler needs no noise, no positions
+
+    @property
+    def needs_positions(self) -> bool:
+        """Whether the sampler reads the logits' positions: the noise of random rows is
+        keyed by them, and min_tokens / penalties count outputs from them."""
+        return not self.all_greedy or self.any_penalties or self.any_min_tokens
 
     @property
     def any_builtins(self) -> bool:
@@ -132,6 +143,7 @@ class SamplingStates:
         self._staged: dict[int, np.ndarray] = {}  # row -> record
         self._staged_bins: dict[int, tuple[int, list[int]]] = {}  # row -> (prompt_len, tokens)
         self._rng = np.random.default_rng()
+        self._seed_pool: list[int] = []  # unseeded requests' seeds, drawn in blocks
 
     # ---- add ---------------------------------------------------------------------
 
@@ -150,21 +162,19 @@ class SamplingStates:
         # every check before any staging: a refused request leaves the row as it was
         self.logit_bias.check(sp)
         self.bad_words.check(sp)
-        seed = sp.seed if sp.seed is not None else int(self._rng.integers(0, 2**63))
+        seed = sp.seed if sp.seed is not None else self._random_seed()
         top_k = sp.top_k if 0 < sp.top_k < self.vocab_size else 0
         prompt_len = len(prompt_token_ids)
 
         rec = np.full(NUM_COLUMNS.value + self.max_stop_ids, -1, np.int64)  # ids pad: -1
-        for col, value in ((C_ROW, row), (C_TOP_K, top_k), (C_SEED, seed),
-                           (C_MIN_TOKENS, sp.min_tokens), (C_PROMPT_LEN, prompt_len),
-                           (C_NUM_STOP, len(stop))):
-            rec[col.value] = value
-        for col, value in ((C_TEMPERATURE, sp.temperature), (C_TOP_P, sp.top_p),
-                           (C_MIN_P, sp.min_p), (C_REPETITION, sp.repetition_penalty),
-                           (C_FREQUENCY, sp.frequency_penalty),
-                           (C_PRESENCE, sp.presence_penalty)):
-            rec.view(np.float64)[col.value] = np.float32(value)  # float32 value, exactly
-        rec[NUM_COLUMNS.value : NUM_COLUMNS.value + len(stop)] = stop
+        rec[_INT_COLUMNS] = (row, top_k, seed, sp.min_tokens, prompt_len, len(stop))
+        # float32 values, exactly, as float64 bit patterns (one conversion for all six)
+        rec[_FLOAT_COLUMNS] = np.array(
+            (sp.temperature, sp.top_p, sp.min_p, sp.repetition_penalty,
+             sp.frequency_penalty, sp.presence_penalty), np.float32,
+        ).astype(np.float64).view(np.int64)
+        if stop:
+            rec[NUM_COLUMNS.value : NUM_COLUMNS.value + len(stop)] = stop
         self._staged[row] = rec  # a row re-added before apply: the last request wins
 
         self.temperature_np[row] = sp.temperature
@@ -185,6 +195,13 @@ class SamplingStates:
             self.ensure_penalty_state()
             tokens = list(prompt_token_ids) + list(prefill_token_ids[prompt_len:])
             self._staged_bins[row] = (prompt_len, tokens)
+
+    def _random_seed(self) -> int:
+        """A seed for a request without one. Drawn a block at a time: one draw per
+        request would cost a generator call on every admission."""
+        if not self._seed_pool:
+            self._seed_pool = self._rng.integers(0, 2**63, size=256).tolist()
+        return self._seed_pool.pop()
 
     def _min_tokens_stop_ids(self, sp: SamplingParams, eos_token_id: int | None) -> list[int]:
         if sp.min_tokens == 0:
@@ -290,6 +307,7 @@ class SamplingStates:
             any_allowed_token_ids=bool(self.logit_bias.num_allowed_np[rows].any()),
             any_logit_bias=bool(self.logit_bias.num_bias_np[rows].any()),
             any_bad_words=bool(self.bad_words.num_words_np[rows].any()),
+            all_greedy=not random.any(),
         )
         if key is not None:
             self._flags_key, self._flags = key, flags

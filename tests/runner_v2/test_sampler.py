@@ -308,3 +308,36 @@ def test_too_many_min_tokens_stop_ids_is_an_error() -> None:
         states.add_request(0, sp, [1], [1], eos_token_id=2)
     # without min_tokens the stop ids are the scheduler's business, not the table's
     states.add_request(0, SamplingParams(stop_token_ids=list(range(20))), [1], [1], 2)
+
+
+def test_all_greedy_batch_samples_without_positions() -> None:
+    """An all-greedy batch (its state table also holds a random row, outside the batch)
+    samples with no positions at all: the first maximum of each row, as V1 and the
+    NumPy argmax give it, on a coarse grid full of exact ties."""
+    rng = np.random.default_rng(3)
+    rows = random_rows(rng, 5, VOCAB, temperature=0.0)
+    logits = torch.from_numpy(rng.integers(-2, 2, (len(rows), VOCAB)) * 0.5).float()
+    states = SamplingStates(MAX_REQS, VOCAB, "cpu")
+    add_rows(states, [9], random_rows(rng, 1, VOCAB, temperature=1.0))
+    state_rows = [3, 0, 14, 7, 1]
+    add_rows(states, state_rows, rows)
+    idx_np = np.asarray(state_rows, np.int32)
+    assert states.batch_flags(idx_np).all_greedy
+    out = Sampler(states)(logits, torch.from_numpy(idx_np), None, None, idx_mapping_np=idx_np)
+    assert out.sampled_token_ids.tolist() == logits.numpy().argmax(axis=1).tolist()
+    assert_same(out, v1_sample(rows, logits)[0])
+
+
+@pytest.mark.parametrize("params", [dict(temperature=0.7), dict(temperature=0.0, min_tokens=3),
+                                    dict(temperature=0.0, presence_penalty=0.5)])
+def test_positions_are_required_where_the_sampler_reads_them(params: dict) -> None:
+    """Random rows key their noise by position; min_tokens and penalties count outputs
+    from it: without positions such a batch is an error, not a silent wrong sample."""
+    rng = np.random.default_rng(4)
+    rows = random_rows(rng, 2, VOCAB, temperature=0.0) + random_rows(rng, 1, VOCAB, **params)
+    states = SamplingStates(MAX_REQS, VOCAB, "cpu")
+    add_rows(states, [0, 1, 2], rows)
+    idx_np = np.arange(3, dtype=np.int32)
+    logits = torch.randn(3, VOCAB, generator=torch.Generator().manual_seed(0))
+    with pytest.raises(ValueError, match="positions"):
+        Sampler(states)(logits, torch.from_numpy(idx_np), None, None, idx_mapping_np=idx_np)

@@ -119,6 +119,11 @@ def test_out_of_bounds_and_bad_dtype_raise():
         t.stage_write(3, 0, [1])
     with pytest.raises(IndexError):
         t.stage_write(0, 2, [1, 2, 3])
+    scalars = StagedWriteTensor(3, torch.int32, "cpu")  # stage_write_elem's own path
+    for row in (3, -1):
+        with pytest.raises(IndexError):
+            scalars.stage_write_elem(row, 1)
+    assert scalars.num_pending_writes == 0
     with pytest.raises(ValueError):
         StagedWriteTensor((3, 4), torch.float16, "cpu")
 
