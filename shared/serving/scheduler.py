@@ -53,7 +53,7 @@ from shared.serving.block_manager import KVCacheManager
 from shared.serving.prompt_logprobs import record_prompt_logprobs
 from shared.serving.request import Request, RequestStatus, RequestUpdate
 from shared.serving.step_builder import InFlightStep, StepBuilder
-from shared.serving.stop_checks import check_stop, stops_when_landed
+from shared.serving.stop_checks import append_until_stop, drafts_within_limits, stops_when_landed
 
 __all__ = ["Scheduler", "RequestUpdate"]
 
@@ -206,7 +206,9 @@ class Scheduler:
             if num_new <= 0 or num_new > step.token_budget:
                 i += 1
                 continue
-            drafts = self._schedulable_drafts(request, num_new, step.token_budget)
+            # a draft is proposed for one step only: consumed whether it runs or not
+            drafts, request.spec_token_ids = drafts_within_limits(
+                request, num_new, step.token_budget, self.max_model_len), []
             num_new += len(drafts)
             # never past max_model_len: the block table has no column there
             lookahead = min(self.num_lookahead_tokens,
@@ -221,23 +223,6 @@ class Scheduler:
     def _assume_drafts(self, request: Request, step: StepBuilder) -> None:
         if self.assume_drafts and request in step.sampling:
             request.spec_token_ids = [-1] * self.num_speculative_tokens
-
-    def _schedulable_drafts(self, request: Request, num_new: int, token_budget: int) -> list[int]:
-        """The request's drafts that may run this step; consumed either way (a draft is
-        proposed for one step only)."""
-        drafts, request.spec_token_ids = request.spec_token_ids, []
-        if not drafts or num_new != 1:  # drafts follow the last token of a decode only
-            return []
-        limit = min(
-            token_budget - 1,
-            # the run's last token (the target's own) still within max_model_len
-            self.max_model_len - request.num_computed_tokens - 2,
-            # no accepted token past max_tokens (the target's own token counts too; so do
-            # the tokens still in flight, counted as if every draft is accepted)
-            request.sampling_params.max_tokens - request.num_output_tokens
-            - request.num_output_placeholders - 1,
-        )
-        return drafts[: max(0, limit)]
 
     def _allocate_or_preempt(
         self, request: Request, num_new: int, step: StepBuilder
@@ -375,23 +360,9 @@ class Scheduler:
                 request.num_computed_tokens -= len(drafts) - num_accepted
             request.spec_decode_stats.record(len(drafts), num_accepted)
         request.times.mark_token()
-        new_token_ids: list[int] = []
-        for token_id in sampled:
-            request.append_output_token_id(token_id)
-            new_token_ids.append(token_id)
-            status = check_stop(request, self.max_model_len)
-            if request.detokenizer is not None:  # stop strings: matched on the text
-                stop_str = request.detokenizer.append(token_id)
-                if stop_str is not None:
-                    status, request.stop_reason = RequestStatus.FINISHED_STOPPED, stop_str
-            if status is not None:
-                if request.status == RequestStatus.PREEMPTED:
-                    self.waiting.remove(request)
-                else:
-                    self.running.remove(request)
-                self._finish(request, status)
-                record.finished.append(request)
-                break
+        new_token_ids, status = append_until_stop(request, sampled, self.max_model_len)
+        if status is not None:
+            self._finish_on_update(request, status, record)
         if (runner_output.draft_token_ids is not None and not request.is_finished
                 and not self.assume_drafts):
             request.spec_token_ids = list(runner_output.draft_token_ids[index])
@@ -404,7 +375,6 @@ class Scheduler:
             request.cumulative_logprob += logprobs.logprobs[0]
         return RequestUpdate(request, new_token_ids, new_logprobs, request.is_finished)
 
-
     def _apply_pooled(self, request: Request, runner_output: ModelRunnerOutput, index: int,
                       record: InFlightStep) -> RequestUpdate | None:
         """A pooling request finishes with the step that pooled its last prompt chunk."""
@@ -412,10 +382,16 @@ class Scheduler:
         if pooled is None:  # a partial chunk
             return None
         request.pooler_output = pooled
+        self._finish_on_update(request, RequestStatus.FINISHED_STOPPED, record)
+        return RequestUpdate(request, [], None, True)
+
+    def _finish_on_update(self, request: Request, status: RequestStatus,
+                          record: InFlightStep) -> None:
+        """A request that its step's output finished: out of its queue (a request
+        preempted while the output was in flight waits in `waiting`), then finished."""
         if request.status == RequestStatus.PREEMPTED:
             self.waiting.remove(request)
         else:
             self.running.remove(request)
-        self._finish(request, RequestStatus.FINISHED_STOPPED)
+        self._finish(request, status)
         record.finished.append(request)
-        return RequestUpdate(request, [], None, True)
