@@ -46,7 +46,7 @@ from shared.runtime.async_output import (
     PinnedOutputRing,
     fill_sampled_output,
 )
-from shared.runtime.model_executor import ModelExecutor
+from shared.runtime.model_executor import ModelExecutor, rows_at_logits
 from shared.runtime.runner_base import RunnerSetupMixin
 from shared.runtime.step_timing import StageTimer
 from shared.sampling.prompt_logprobs import (
@@ -238,12 +238,14 @@ class GPUModelRunner(RunnerSetupMixin):
                 spec_out = self._sample_spec(state)
                 self._launch_drafts(state, spec_out.output_token_ids, spec_out.num_sampled)
             else:
-                hidden = state.hidden_states[inputs.logits_indices]
+                hidden = rows_at_logits(state.hidden_states, inputs.logits_indices,
+                                        inputs.num_reqs, inputs.num_tokens)
                 logits = self.executor.compute_logits(hidden)
                 # the position of each logit's input token: the seeded noise is keyed by
                 # it (greedy rows have none: not gathered when every row is greedy)
                 positions = (None if state.sampling_metadata.all_greedy
-                             else inputs.positions[inputs.logits_indices])
+                             else rows_at_logits(inputs.positions, inputs.logits_indices,
+                                                 inputs.num_reqs, inputs.num_tokens))
                 sampler_output = self.tp_sampling.run(
                     lambda: self.sampler(logits, state.sampling_metadata, positions))
                 self._launch_drafts(state, sampler_output.sampled_token_ids, None)

@@ -40,7 +40,7 @@ from shared.runtime.async_output import (
     fill_sampled_output,
     fill_spec_sampled_output,
 )
-from shared.runtime.model_executor import ModelExecutor
+from shared.runtime.model_executor import ModelExecutor, rows_at_logits
 from shared.runtime.runner_base import RunnerSetupMixin
 from shared.runtime.step_timing import StageTimer
 from shared.sampling.prompt_logprobs import (
@@ -159,14 +159,15 @@ class GPUModelRunner(RunnerSetupMixin):
             with self.timer.stage("sample"):
                 return pool_step(self.pooler, batch, state.hidden_states, self.req_states)
         with self.timer.stage("sample"):
-            hidden = state.hidden_states.index_select(0, batch.logits_indices)
+            hidden = rows_at_logits(state.hidden_states, batch.logits_indices, n,
+                                    batch.num_tokens)
             logits = self.executor.compute_logits(hidden)
             # cached per batch composition: the sampler asks for the same flags below
             flags = self.sampling_states.batch_flags(batch.idx_mapping_np)
             # the position of each logit's input token: the seeded noise is keyed by it
             # (an all-greedy batch without penalties or min_tokens reads none: no gather)
-            positions = (batch.positions.index_select(0, batch.logits_indices)
-                         if flags.needs_positions else None)
+            positions = (rows_at_logits(batch.positions, batch.logits_indices, n,
+                                        batch.num_tokens) if flags.needs_positions else None)
             out = self.sampler(
                 logits, batch.idx_mapping, positions, flags.max_num_logprobs,
                 batch.idx_mapping_np,

@@ -71,19 +71,19 @@ def _gumbel_sample_kernel(
     offs = blk * BLOCK + tl.arange(0, BLOCK)
     valid = offs < vocab_size
     x = load_logits(logits_ptr + b * logits_stride, offs, valid, IS_FP64)
-    if ALL_GREEDY:
-        temp = 0.0
+    if ALL_GREEDY:  # static: the noise code is not even compiled
+        score = x.to(tl.float64)
     else:
-        temp = tl.load(temperature_ptr + tl.load(idx_mapping_ptr + b))
-    if temp == 0:
-        score = x.to(tl.float64)  # greedy: argmax of the processed logits, no noise
-    else:
-        scaled = div_ieee(x, temp.to(x.dtype), IS_FP64)
         row = tl.load(idx_mapping_ptr + b)
-        lane_hi, lane_lo = row_lanes(tl.load(seeds_ptr + row), tl.load(pos_ptr + b))
-        score = scaled.to(tl.float64) + gumbel_noise(lane_hi, lane_lo, offs)
-        if HAS_THRESHOLD:
-            score = tl.where(scaled >= tl.load(threshold_ptr + b), score, float("-inf"))
+        temp = tl.load(temperature_ptr + row)
+        if temp == 0:
+            score = x.to(tl.float64)  # greedy: argmax of the processed logits, no noise
+        else:
+            scaled = div_ieee(x, temp.to(x.dtype), IS_FP64)
+            lane_hi, lane_lo = row_lanes(tl.load(seeds_ptr + row), tl.load(pos_ptr + b))
+            score = scaled.to(tl.float64) + gumbel_noise(lane_hi, lane_lo, offs)
+            if HAS_THRESHOLD:
+                score = tl.where(scaled >= tl.load(threshold_ptr + b), score, float("-inf"))
     score = tl.where(valid, score, float("-inf"))
     best = tl.argmax(score, 0, tie_break_left=True)
     tl.store(block_max_ptr + b * num_blocks + blk, tl.max(score, 0))

@@ -183,3 +183,14 @@ class ModelExecutor:
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         return self.model.compute_logits(hidden_states)
+
+
+def rows_at_logits(x: torch.Tensor, logits_indices: torch.Tensor, num_reqs: int,
+                   num_tokens: int) -> torch.Tensor:
+    """The rows of x (hidden states or positions, by token) at each request's last token.
+    When every request schedules exactly one token (num_tokens == num_reqs: a decode
+    step), those are rows 0..num_reqs-1 and a view serves, without a gather launch; a
+    step's host time counts every launch (issue 21). Rows past num_reqs are padding."""
+    if num_tokens == num_reqs:
+        return x[:num_reqs]
+    return x.index_select(0, logits_indices)
