@@ -22,6 +22,8 @@ from typing import Any
 
 import torch
 
+from shared.runtime.triton_utils import tl  # Triton through it: it picks the interpreter on a CPU
+
 # Triton's element-type names for the tensors the kernels take.
 _POINTER = {torch.float32: "fp32", torch.float64: "fp64", torch.float16: "fp16",
             torch.bfloat16: "bf16", torch.int8: "i8", torch.uint8: "u8", torch.int16: "i16",
@@ -77,7 +79,9 @@ class LaunchRecorder:
         for p in params:
             value = given.get(p.name, p.default)
             if _is_constexpr(p) or value is None:
-                if not isinstance(value, _PLAIN):
+                if isinstance(value, tl.dtype):  # e.g. a dot's input type; JSON as its name
+                    value = {"tl.dtype": value.name}
+                elif not isinstance(value, _PLAIN):
                     self.unrecorded.add(name)
                     return
                 signature[p.name], constexprs[p.name] = "constexpr", value
@@ -110,8 +114,10 @@ for entry in json.load(open(sys.argv[1])):
         fn = getattr(fn, part)
     while not isinstance(fn, triton.runtime.JITFunction):
         fn = fn.fn  # an autotuner or heuristics wrapper
+    constexprs = {k: triton.language.dtype(v["tl.dtype"]) if isinstance(v, dict) else v
+                  for k, v in entry["constexprs"].items()}
     try:
-        src = ASTSource(fn=fn, signature=entry["signature"], constexprs=entry["constexprs"])
+        src = ASTSource(fn=fn, signature=entry["signature"], constexprs=constexprs)
         triton.compile(src, target=GPUTarget("cuda", 90, 32), options=entry["options"])
     except Exception as exc:
         failures.append(f"{entry['kernel']} {entry['constexprs']}: {type(exc).__name__}: {exc}")

@@ -1,6 +1,7 @@
-"""Every Triton launch of the differential scenarios (V1, V2, V2 async, speculative
-decoding) compiles for an sm_90 GPU: recorded under the interpreter, compiled on the CPU
-(tests/kernel_compile.py says why the interpreter alone is not enough)."""
+"""Every Triton launch of the differential scenarios (V1, V2, V2 async, the TRITON
+attention backend, batch-invariant mode, speculative decoding) compiles for an sm_90 GPU:
+recorded under the interpreter, compiled on the CPU (tests/kernel_compile.py says why the
+interpreter alone is not enough)."""
 
 from __future__ import annotations
 
@@ -27,6 +28,14 @@ def test_every_recorded_launch_compiles_for_sm90(tmp_path) -> None:
             scenario = build_scenario(name, SEED, VOCAB)
             for runner in ("v1", "v2", "v2-async"):
                 run_scenario(build_engine(setup, runner, scenario.engine_kwargs()), scenario)
+        # the TRITON attention backend's kernels (prefill chunks, prefix hits, decode), and
+        # the batch-invariant mode's kernels (matmul, norms) with it
+        for name, extra in (("chunked_prefill", {}), ("prefix_cache", {}),
+                            ("greedy_logprobs", {"batch_invariant": True})):
+            scenario = build_scenario(name, SEED, VOCAB)
+            for runner in ("v1", "v2"):
+                kwargs = {**scenario.engine_kwargs(), "attention_backend": "TRITON", **extra}
+                run_scenario(build_engine(setup, runner, kwargs), scenario)
         scenario = spec_compatible(build_scenario("seeded_sampling", SEED, VOCAB))
         for runner in ("v1", "v2-async"):
             for method in ("standard", "synthetic"):
@@ -38,7 +47,7 @@ def test_every_recorded_launch_compiles_for_sm90(tmp_path) -> None:
                                                       "speculative_config": spec})
                 run_scenario(engine, scenario)
     kernels = {e["kernel"] for e in recorder.launches.values()}
-    assert len(kernels) >= 15, sorted(kernels)  # the run reached the kernels of both runners
+    assert len(kernels) >= 20, sorted(kernels)  # the run reached the kernels it should
     failures = compile_for_sm90(list(recorder.launches.values()), tmp_path)
     assert not failures, "\n".join(failures)
     assert not recorder.unrecorded, sorted(recorder.unrecorded)
