@@ -198,7 +198,7 @@ class GPUModelRunner(RunnerSetupMixin):
         the accepted runs folded into the state table on the device."""
         batch, sb = state.batch, state.spec
         n = batch.num_reqs
-        all_greedy = not (self.sampling_states.temperature_np[batch.idx_mapping_np] != 0).any()
+        all_greedy = self.sampling_states.batch_flags(batch.idx_mapping_np).all_greedy
         with self.timer.stage("sample"):
             logits = self.executor.compute_logits(
                 state.hidden_states.index_select(0, sb.logits_indices))
@@ -226,7 +226,7 @@ class GPUModelRunner(RunnerSetupMixin):
         device; the output carries -1 placeholders for the scheduler)."""
         if self.speculator is None:
             return
-        all_greedy = not (self.sampling_states.temperature_np[batch.idx_mapping_np] != 0).any()
+        all_greedy = self.sampling_states.batch_flags(batch.idx_mapping_np).all_greedy
         self.speculator.propose(
             batch, is_sampled, self.req_states, self.block_tables.block_table.gpu,
             self.sampling_states, all_greedy,
