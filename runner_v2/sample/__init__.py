@@ -2,7 +2,8 @@
 kernels (built-in logits processors: logit_bias (with allowed_token_ids) and
 bad_words; penalties, top_k_top_p, gumbel, logprobs) and the Sampler entry point."""
 
+from runner_v2.sample.batch_flags import BatchFlags
 from runner_v2.sample.sampler import Sampler
-from runner_v2.sample.states import BatchFlags, SamplingStates
+from runner_v2.sample.states import SamplingStates
 
 __all__ = ["BatchFlags", "Sampler", "SamplingStates"]

@@ -16,11 +16,12 @@ import torch
 
 from runner_v2.logits_processor import V2LogitsProcessors
 from runner_v2.sample.bad_words import apply_bad_words
+from runner_v2.sample.batch_flags import BatchFlags
 from runner_v2.sample.gumbel import gumbel_sample
 from runner_v2.sample.logit_bias import apply_allowed_and_bias
 from runner_v2.sample.logprobs import compute_logprobs
 from runner_v2.sample.penalties import apply_penalties_and_min_tokens
-from runner_v2.sample.states import BatchFlags, SamplingStates
+from runner_v2.sample.states import SamplingStates
 from runner_v2.sample.top_k_top_p import compute_thresholds
 from runner_v2.states import RequestState
 from shared.contract.sampler_output import SamplerOutput

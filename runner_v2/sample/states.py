@@ -30,12 +30,11 @@ runner_v2/sample/bad_words.py).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 import torch
 
 from runner_v2.sample.bad_words import BadWordsState
+from runner_v2.sample.batch_flags import BatchFlags, flags_of_rows, row_flag_bits
 from runner_v2.sample.logit_bias import LogitBiasState
 from runner_v2.uva import async_copy_to_device
 from shared.contract.sampling_params import SamplingParams
@@ -63,32 +62,6 @@ _FLOAT_COLUMNS = [c.value for c in (C_TEMPERATURE, C_TOP_P, C_MIN_P, C_REPETITIO
 
 # vLLM caps the ids masked for min_tokens at 128 as well.
 DEFAULT_MAX_STOP_IDS = 128
-
-
-@dataclass
-class BatchFlags:
-    """Which optional stages a batch needs, decided on the host (no device sync)."""
-
-    any_penalties: bool
-    any_min_tokens: bool
-    any_filter: bool  # top_k, top_p or min_p on a random row
-    num_logprobs: tuple[int, ...] = ()  # per batch row (-1 = none); empty without the rows
-    max_num_logprobs: int | None = None  # None: no row asks for logprobs
-    any_allowed_token_ids: bool = False
-    any_logit_bias: bool = False
-    any_bad_words: bool = False  # a row with bad_words_token_ids
-    all_greedy: bool = False  # no random row: the sampler needs no noise, no positions
-
-    @property
-    def needs_positions(self) -> bool:
-        """Whether the sampler reads the logits' positions: the noise of random rows is
-        keyed by them, and min_tokens / penalties count outputs from them."""
-        return not self.all_greedy or self.any_penalties or self.any_min_tokens
-
-    @property
-    def any_builtins(self) -> bool:
-        """allowed_token_ids, logit_bias or bad words on some row."""
-        return self.any_allowed_token_ids or self.any_logit_bias or self.any_bad_words
 
 
 class SamplingStates:
@@ -135,6 +108,9 @@ class SamplingStates:
         self.min_tokens_np = np.zeros(r, np.int32)
         self.num_logprobs = np.full(r, -1, np.int32)  # host only; -1 = none
         self.written_np = np.zeros(r, bool)  # rows ever written (conservative flags)
+        # each row's optional stages as bits (runner_v2/sample/batch_flags.py), set from
+        # the mirrors above when the row is written
+        self.flag_bits_np = np.zeros(r, np.uint8)
         # batch_flags of the last batch, by its idx_mapping bytes: a steady decode asks for
         # the same batch every step, and the flags change only when a row is (re)written
         self._flags_key: bytes | None = None
@@ -189,6 +165,11 @@ class SamplingStates:
 
         self.logit_bias.add_request(row, sp)
         self.bad_words.add_request(row, sp)
+        self.flag_bits_np[row] = row_flag_bits(
+            self.temperature_np[row], self.top_k_np[row], self.top_p_np[row],
+            self.min_p_np[row], self.uses_penalties_np[row], self.min_tokens_np[row],
+            self.num_logprobs[row], self.logit_bias.num_allowed_np[row],
+            self.logit_bias.num_bias_np[row], self.bad_words.num_words_np[row])
 
         self._staged_bins.pop(row, None)
         if sp.uses_penalties:
@@ -293,22 +274,11 @@ class SamplingStates:
         key = None if idx_mapping_np is None else idx_mapping_np.tobytes()
         if key is not None and key == self._flags_key:
             return self._flags
-        rows = idx_mapping_np if idx_mapping_np is not None else np.flatnonzero(self.written_np)
-        random = self.temperature_np[rows] != 0
-        filt = (self.top_k_np[rows] > 0) | (self.top_p_np[rows] < 1) | (self.min_p_np[rows] > 0)
-        num_logprobs = self.num_logprobs[rows] if idx_mapping_np is not None else rows[:0]
-        max_n = int(num_logprobs.max()) if num_logprobs.size else -1
-        flags = BatchFlags(
-            any_penalties=bool(self.uses_penalties_np[rows].any()),
-            any_min_tokens=bool((self.min_tokens_np[rows] > 0).any()),
-            any_filter=bool((filt & random).any()),
-            num_logprobs=tuple(num_logprobs.tolist()),
-            max_num_logprobs=max_n if max_n >= 0 else None,
-            any_allowed_token_ids=bool(self.logit_bias.num_allowed_np[rows].any()),
-            any_logit_bias=bool(self.logit_bias.num_bias_np[rows].any()),
-            any_bad_words=bool(self.bad_words.num_words_np[rows].any()),
-            all_greedy=not random.any(),
-        )
+        if idx_mapping_np is None:
+            flags = flags_of_rows(self.flag_bits_np, self.num_logprobs,
+                                  np.flatnonzero(self.written_np), per_row=False)
+        else:
+            flags = flags_of_rows(self.flag_bits_np, self.num_logprobs, idx_mapping_np)
         if key is not None:
             self._flags_key, self._flags = key, flags
         return flags
