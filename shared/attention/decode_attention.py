@@ -29,7 +29,6 @@ import torch
 from shared.attention import triton_unified_attention as unified
 from shared.attention.unified_attention_kernels import attend_kv_tiles, split_tile_range
 from shared.runtime.kernel_options import kernel_options
-from shared.runtime.triton_launch import kept
 from shared.runtime.triton_utils import (
     next_power_of_2,
     pdl_launch,
@@ -277,7 +276,7 @@ def decode_attention(
     cfg = unified.single_query_config(group, block_d, query.element_size() >= 4)
     dot_dtype = unified.dot_dtype_for(query.dtype)
     partials = unified.split_partials(query, num_reqs, num_splits)
-    kept(decode_attention_kernel)((num_reqs, num_kv_heads, num_splits),
+    decode_attention_kernel[(num_reqs, num_kv_heads, num_splits)](
         output, query, key, value, key_cache, value_cache, block_table, seq_lens,
         query_start_loc, slot_mapping, *partials, scale * unified.LOG2E, num_reqs,
         *output.stride(), *query.stride(), *key.stride(), *value.stride(),

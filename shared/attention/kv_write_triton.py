@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import torch
 
-from shared.runtime.triton_launch import kept
 from shared.runtime.triton_utils import (
     next_power_of_2,
     pdl_launch,
@@ -94,7 +93,7 @@ def write_kv_triton(
         return
     block = min(next_power_of_2(num_kv_heads * head_dim), _MAX_BLOCK)
     grid = (num_tokens, triton.cdiv(num_kv_heads * head_dim, block))
-    kept(_write_kv_kernel)(grid,
+    _write_kv_kernel[grid](
         key, value, key_cache, value_cache, slot_mapping,
         *key.stride(), *value.stride(),
         *key_cache.stride(), *value_cache.stride(),

@@ -289,7 +289,7 @@ def reduce_splits(output: torch.Tensor, partials: tuple, seq_lens: torch.Tensor,
     if num_splits == 1:
         return
     head_dim = output.shape[2]
-    kept(reduce_splits_kernel)((seq_lens.shape[0], output.shape[1]),
+    reduce_splits_kernel[(seq_lens.shape[0], output.shape[1])](
         output, *partials, seq_lens, query_start_loc, *output.stride(),
         HEAD_DIM=head_dim, BLOCK_D=max(16, next_power_of_2(head_dim)), TILE_N=tile_n,
         NUM_SPLITS=num_splits, BLOCK_S=next_power_of_2(num_splits),

@@ -20,7 +20,6 @@ from __future__ import annotations
 import torch
 
 from shared.runtime.kernel_options import kernel_options
-from shared.runtime.triton_launch import kept
 from shared.runtime.triton_utils import next_power_of_2, tl, triton
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -105,7 +104,7 @@ def rms_norm(
         block = next_power_of_2(hidden)
         assert block <= 65536, f"hidden size {hidden} is too large for one program"
         r = residual if has_residual else x  # placeholder pointer, never read
-        kept(_rms_norm_kernel)((num_tokens,),
+        _rms_norm_kernel[(num_tokens,)](
             x, r, weight, out, residual_out,
             x.stride(0), r.stride(0), out.stride(0), residual_out.stride(0),
             eps,
@@ -244,7 +243,7 @@ def qk_norm_rope(
     # programs, while a long prefill still gets big, efficient programs.
     block_h = min(next_power_of_2(num_qk_heads), max(1, 2048 // next_power_of_2(head_dim)))
     grid = (num_tokens, triton.cdiv(num_qk_heads, block_h))
-    kept(_qk_norm_rope_kernel)(grid,
+    _qk_norm_rope_kernel[grid](
         qkv, positions, cos_sin_cache,
         q_norm_weight if has_norm else qkv, k_norm_weight if has_norm else qkv,
         qkv.stride(0), cos_sin_cache.stride(0),
@@ -303,7 +302,7 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     out = torch.empty(num_tokens, inter, dtype=x.dtype, device=x.device)
     if num_tokens > 0:
         block = min(next_power_of_2(inter), _SILU_BLOCK)
-        kept(_silu_and_mul_kernel)((num_tokens, triton.cdiv(inter, block)),
+        _silu_and_mul_kernel[(num_tokens, triton.cdiv(inter, block))](
             x, out,
             x.stride(0), out.stride(0),
             INTER=inter,

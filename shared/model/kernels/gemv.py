@@ -62,7 +62,6 @@ from shared.model.kernels.gemv_tiles import (
     x_tile_fma,
 )
 from shared.runtime.kernel_options import kernel_options
-from shared.runtime.triton_launch import kept
 from shared.runtime.triton_utils import pdl_launch, tl, triton
 
 # KernelOptions.gemv_max_tokens (default 1): token counts up to it take the GEMV path. With
@@ -310,7 +309,7 @@ def gemv(
     extra = {"num_warps": num_warps, "num_stages": num_stages} if x.is_cuda else {}
     # launched while the previous kernel drains where PDL is on; see pdl_wait_and_release
     extra.update(pdl_launch(x))
-    kept(_gemv_kernel)(grid,
+    _gemv_kernel[grid](
         x, weight, x if bias is None else bias, x if norm_weight is None else norm_weight,
         x if residual is None else residual, out,
         x if positions is None else positions, x if cos_sin_cache is None else cos_sin_cache,
