@@ -18,7 +18,7 @@ from shared.attention.unified_attention_kernels import (
     reduce_splits_kernel,
 )
 from shared.runtime.kernel_options import kernel_options
-from shared.runtime.triton_launch import RepeatLaunch, kept
+from shared.runtime.triton_launch import RepeatLaunch
 from shared.runtime.triton_utils import INTERPRET, next_power_of_2, pdl_launch, tl
 
 LOG2E = 1.4426950408889634
@@ -170,9 +170,8 @@ class PagedAttentionPlan:
     metadata: tuple  # block_table, seq_lens, query_start_loc
     partials: tuple  # part_out, part_max, part_sum (placeholders with one split)
     runtime: tuple  # qk_scale, num_reqs, strides
-    # The launches (RepeatLaunch on the process's kept kernels: once a step has kept one,
-    # every later layer and step launches it without Triton's per-call dispatch) or None
-    # where the mapping does not run.
+    # The launches (RepeatLaunch: after the first layer's, each launches the compiled
+    # kernel without Triton's per-call dispatch) or None where the mapping does not run.
     single: RepeatLaunch | None  # the single-query mapping
     multi: RepeatLaunch | None  # the multi-query mapping
     reduce: RepeatLaunch | None  # the split reduction
@@ -211,14 +210,14 @@ class PagedAttentionPlan:
             if run_single_query else (query, query, query)
         if run_single_query:
             cfg = single_query_config(group, block_d, wide, split_query_len)
-            single = kept(paged_attention_kernel).bind(
-                (num_reqs, num_kv_heads, num_splits), keep, **consts,
+            single = RepeatLaunch(
+                paged_attention_kernel, (num_reqs, num_kv_heads, num_splits), keep, **consts,
                 BLOCK_M=cfg.block_m, BLOCK_Q=split_query_len, TILE_N=cfg.tile_n,
                 SINGLE_QUERY=True, MIN_QUERY_LEN=1, NUM_SPLITS=num_splits,
                 num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(query))
             if num_splits > 1:
-                reduce = kept(reduce_splits_kernel).bind(
-                    (num_reqs * split_query_len, num_heads), keep,
+                reduce = RepeatLaunch(
+                    reduce_splits_kernel, (num_reqs * split_query_len, num_heads), keep,
                     HEAD_DIM=head_dim, BLOCK_D=block_d, TILE_N=cfg.tile_n,
                     NUM_SPLITS=num_splits, BLOCK_S=next_power_of_2(num_splits),
                     MIN_TILES_PER_SPLIT=consts["MIN_TILES_PER_SPLIT"], num_warps=4,
@@ -227,8 +226,8 @@ class PagedAttentionPlan:
             cfg = _multi_query_config(group, block_d, wide)
             # When the single-query mapping also runs it owns the length-1 rows.
             grid = (num_tokens // cfg.block_q + num_reqs, num_kv_heads, 1)
-            multi = kept(paged_attention_kernel).bind(
-                grid, keep,
+            multi = RepeatLaunch(
+                paged_attention_kernel, grid, keep,
                 **consts, BLOCK_M=cfg.block_m, BLOCK_Q=cfg.block_q, TILE_N=cfg.tile_n,
                 SINGLE_QUERY=False, MIN_QUERY_LEN=2 if run_single_query else 1,
                 NUM_SPLITS=1, num_warps=cfg.num_warps, num_stages=cfg.num_stages)

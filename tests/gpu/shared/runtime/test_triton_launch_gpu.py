@@ -2,18 +2,16 @@
 JIT dispatch gives, on other tensors of the same kind, and a call specialised otherwise
 (an unaligned pointer where the kept kernel assumed alignment) is not sent to it. The
 paged-attention plan of a step launches its later layers through kept kernels and
-matches a fresh launch per layer bitwise; KeptLaunches runs one kept kernel on every grid
-and every int of its first call's class."""
+matches a fresh launch per layer bitwise."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-import shared.runtime.triton_launch as triton_launch
 from policy.kernel_options import KernelOptions
 from shared.runtime.kernel_options import use_kernel_options
-from shared.runtime.triton_launch import KeptLaunches, RepeatLaunch
+from shared.runtime.triton_launch import RepeatLaunch
 from shared.runtime.triton_utils import tl, triton
 
 pytestmark = pytest.mark.gpu
@@ -63,24 +61,6 @@ def test_an_unaligned_pointer_is_not_sent_to_a_kernel_kept_for_aligned_ones(monk
     assert len(calls) == 2
 
 
-def test_one_kept_kernel_serves_every_grid_and_int_of_its_class(monkeypatch):
-    """KeptLaunches: a kernel kept for its constexprs runs on new grids and new lengths
-    (ints of the first's class) without the JIT, and gives what the JIT gives."""
-    launches = KeptLaunches(_scale_kernel)
-    calls = _count_jit_calls(monkeypatch, _scale_kernel)
-    for n, scale in ((4096, 3.0), (1024, 0.5), (8192, -2.0), (16 * 37, 1.5)):
-        x = torch.randn(n, device="cuda")
-        y = torch.full_like(x, float("nan"))
-        launches((triton.cdiv(n, 256),), x, y, n, scale, BLOCK=256)
-        torch.testing.assert_close(y, x * scale, rtol=0, atol=0)
-    assert len(calls) == 1
-    x = torch.randn(1000, device="cuda")  # 16 does not divide 1000: another class
-    y = torch.full_like(x, float("nan"))
-    launches((4,), x, y, 1000, 2.0, BLOCK=256)
-    torch.testing.assert_close(y, x * 2.0, rtol=0, atol=0)
-    assert len(calls) == 2
-
-
 @pytest.mark.parametrize("splits", [1, 4])
 def test_a_steps_plan_over_many_layers_equals_a_fresh_launch_per_layer(monkeypatch, splits):
     from shared.attention import unified_attention_kernels
@@ -97,7 +77,6 @@ def test_a_steps_plan_over_many_layers_equals_a_fresh_launch_per_layer(monkeypat
     caches = [torch.randn(2, R * blocks, bs, Hkv, D, dtype=dt, device=dev) for _ in range(layers)]
     queries = [torch.randn(T, H, D, dtype=dt, device=dev) for _ in range(layers)]
     args = (qsl, seq_lens, table, 0.088)
-    monkeypatch.setattr(triton_launch, "_KEPT", {})  # no kernel kept by an earlier test
     with use_kernel_options(KernelOptions(repeat_launches=True)):
         plan = PagedAttentionPlan.build(queries[0], caches[0][0], caches[0][1],
                                         torch.empty_like(queries[0]), *args, True, True, splits)
