@@ -1,8 +1,8 @@
 """Which of the sampler's optional stages a batch needs, decided on the host from per-row
 bits (no device value is read).
 
-Each row's bits are set once, when a request is written into it (row_flag_bits, from the
-host mirrors of its parameters); a batch's flags are one OR over its rows. A churning
+Each row's bits are set once, when a request is written into it (row_flag_bits, from its
+parameters as the kernels will read them); a batch's flags are one OR over its rows. A churning
 batch has a new composition nearly every step, and reading a dozen parameter columns per
 batch was a measurable share of V2's sample stage there.
 """
@@ -12,6 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+
+from shared.contract.sampling_params import SamplingParams
 
 FLAG_RANDOM = 1  # temperature != 0
 FLAG_FILTER = 2  # top_k, top_p or min_p on a random row
@@ -49,16 +51,16 @@ class BatchFlags:
         return self.any_allowed_token_ids or self.any_logit_bias or self.any_bad_words
 
 
-def row_flag_bits(temperature: np.float32, top_k: np.int32, top_p: np.float32,
-                  min_p: np.float32, uses_penalties: bool, min_tokens: int, num_logprobs: int,
-                  num_allowed: int, num_bias: int, num_bad_words: int) -> int:
-    """A row's FLAG_* bits from its host mirrors as written (float32 values: a top_p that
-    rounds to 1.0 filters nothing, as the kernels see it)."""
-    random = bool(temperature != 0)
-    filt = bool(top_k > 0 or top_p < 1 or min_p > 0)
-    return (FLAG_RANDOM * random | FLAG_FILTER * (filt and random)
-            | FLAG_PENALTIES * bool(uses_penalties) | FLAG_MIN_TOKENS * bool(min_tokens > 0)
-            | FLAG_LOGPROBS * bool(num_logprobs >= 0) | FLAG_ALLOWED * bool(num_allowed)
+def row_flag_bits(sp: SamplingParams, top_k: int, num_allowed: int, num_bias: int,
+                  num_bad_words: int) -> int:
+    """A row's FLAG_* bits for a request: `top_k` as staged (0 when off), the built-ins'
+    counts as their tables hold them. temperature, top_p and min_p are read in float32, as
+    the kernels read them: a top_p that rounds to 1.0 filters nothing."""
+    random = bool(np.float32(sp.temperature) != 0)
+    filt = top_k > 0 or np.float32(sp.top_p) < 1 or np.float32(sp.min_p) > 0
+    return (FLAG_RANDOM * random | FLAG_FILTER * bool(filt and random)
+            | FLAG_PENALTIES * bool(sp.uses_penalties) | FLAG_MIN_TOKENS * (sp.min_tokens > 0)
+            | FLAG_LOGPROBS * (sp.logprobs is not None) | FLAG_ALLOWED * bool(num_allowed)
             | FLAG_BIAS * bool(num_bias) | FLAG_BAD_WORDS * bool(num_bad_words))
 
 

@@ -99,18 +99,12 @@ class SamplingStates:
         self.logit_bias = LogitBiasState(r, vocab_size, self.device)
         self.bad_words = BadWordsState(r, vocab_size, self.device)
 
-        # Host mirrors: decide which stages run without reading device values.
-        self.temperature_np = np.ones(r, np.float32)
-        self.top_k_np = np.zeros(r, np.int32)
-        self.top_p_np = np.ones(r, np.float32)
-        self.min_p_np = np.zeros(r, np.float32)
-        self.uses_penalties_np = np.zeros(r, bool)
-        self.min_tokens_np = np.zeros(r, np.int32)
+        # Host side: decide which stages run without reading device values. Each row's
+        # optional stages as bits (runner_v2/sample/batch_flags.py), set when the row is
+        # written, and its logprob count.
+        self.flag_bits_np = np.zeros(r, np.uint8)
         self.num_logprobs = np.full(r, -1, np.int32)  # host only; -1 = none
         self.written_np = np.zeros(r, bool)  # rows ever written (conservative flags)
-        # each row's optional stages as bits (runner_v2/sample/batch_flags.py), set from
-        # the mirrors above when the row is written
-        self.flag_bits_np = np.zeros(r, np.uint8)
         # batch_flags of the last batch, by its idx_mapping bytes: a steady decode asks for
         # the same batch every step, and the flags change only when a row is (re)written
         self._flags_key: bytes | None = None
@@ -153,12 +147,6 @@ class SamplingStates:
             rec[NUM_COLUMNS.value : NUM_COLUMNS.value + len(stop)] = stop
         self._staged[row] = rec  # a row re-added before apply: the last request wins
 
-        self.temperature_np[row] = sp.temperature
-        self.top_k_np[row] = top_k
-        self.top_p_np[row] = sp.top_p
-        self.min_p_np[row] = sp.min_p
-        self.uses_penalties_np[row] = sp.uses_penalties
-        self.min_tokens_np[row] = sp.min_tokens
         self.num_logprobs[row] = -1 if sp.logprobs is None else sp.logprobs
         self.written_np[row] = True
         self._flags_key = None  # the row's flags changed
@@ -166,10 +154,8 @@ class SamplingStates:
         self.logit_bias.add_request(row, sp)
         self.bad_words.add_request(row, sp)
         self.flag_bits_np[row] = row_flag_bits(
-            self.temperature_np[row], self.top_k_np[row], self.top_p_np[row],
-            self.min_p_np[row], self.uses_penalties_np[row], self.min_tokens_np[row],
-            self.num_logprobs[row], self.logit_bias.num_allowed_np[row],
-            self.logit_bias.num_bias_np[row], self.bad_words.num_words_np[row])
+            sp, top_k, self.logit_bias.num_allowed_np[row], self.logit_bias.num_bias_np[row],
+            self.bad_words.num_words_np[row])
 
         self._staged_bins.pop(row, None)
         if sp.uses_penalties:

@@ -1,7 +1,7 @@
 """What the GPU ran in a torch.profiler trace, per step: each kernel's time and launch
 count, the copies, the host's launch calls, and how much of the traced span the GPU was
-busy (issue 21: V2's eager churn step took 1.4x V1's forward time on the H100 with the
-same step sequence; a kernel table tells more kernels from slower ones from idle gaps).
+busy (issue 21: when one runner's step takes longer than the other's on the same step
+sequence, a kernel table tells more kernels from slower ones from idle gaps).
 
     work = gpu_work(trace["traceEvents"], steps=10)
     print(format_gpu_work(work))
