@@ -8,8 +8,8 @@ logits alone and inside a batch, and near-ties split V1 from V2 in bf16. With th
 (`EngineArgs.batch_invariant`, `--batch-invariant`, RUNNERLAB_BATCH_INVARIANT=1) the
 engine's KernelOptions carry `batch_invariant=True` and every kernel launcher on the step's
 path takes its invariant form (shared/model/kernels/batch_invariant_matmul.py for every
-linear layer and the LM head, one KV split and one launch config for both mappings of the
-TRITON attention). Vectorised per-row ops (RMSNorm, RoPE, SiLU-and-mul, the samplers'
+linear layer and the LM head, fixed-size KV splits and one launch config for both
+mappings of the TRITON attention). Vectorised per-row ops (RMSNorm, RoPE, SiLU-and-mul, the samplers'
 softmax and top-k over the vocabulary) are already computed one row at a time.
 
 What the mode cannot make invariant is listed, never silently ignored: it is in

@@ -63,9 +63,15 @@ class KernelOptions(BaseModel):
     batch_invariant: bool = Field(
         False, description="every kernel on the step's path computes a row with a reduction "
                            "order that does not depend on the batch: the fixed-tile matmul "
-                           "for every linear layer (no GEMV, no cuBLAS), one KV split and one "
-                           "launch config for both attention mappings (policy/"
+                           "for every linear layer (no GEMV, no cuBLAS), fixed-size KV splits "
+                           "and one launch config for both attention mappings (policy/"
                            "batch_invariance.py; EngineArgs.batch_invariant sets it)")
+    invariant_split_tokens: int = Field(
+        256, ge=16, description="batch-invariant mode: a row's KV is cut into splits of this "
+                                "many keys (a multiple of the attention's KV tile) at fixed "
+                                "positions, whatever the batch; the splits run in parallel "
+                                "where the batch leaves the GPU idle and are merged in one "
+                                "order everywhere")
     draft_full_graphs: bool = Field(
         True, description="a draft model's uniform forwards (every request the same query "
                           "length: its single-token drafts, a uniform catch-up) replay FULL "

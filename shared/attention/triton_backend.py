@@ -121,18 +121,29 @@ class TritonAttentionImpl:
         self.num_splits = num_splits  # None: chosen from the padded row count
         self.max_num_splits = max_num_splits
 
-    def splits_for(self, num_reqs_padded: int, device: torch.device) -> int:
-        # Batch-invariant mode: one split. A split count chosen from the batch would change
-        # a decode row's reduction order with its batch; a fixed split size would need the
-        # multi-query mapping to split its rows the same way (it does not split).
+    def splits_for(self, num_reqs_padded: int, device: torch.device,
+                   max_keys: int = 0) -> int:
+        """KV splits of the single-query grid. max_keys: the most keys a row can have
+        (its block-table width in keys), which batch-invariant mode's split grid covers."""
         if kernel_options().batch_invariant:
-            return 1
+            return self._invariant_splits(num_reqs_padded, device, max_keys)
         forced = self.num_splits or kernel_options().attention_num_splits
         if forced is not None:
             return forced
         return num_splits_for(
             num_reqs_padded, self.num_kv_heads, _num_sms(device), self.max_num_splits
         )
+
+    def _invariant_splits(self, num_reqs_padded: int, device: torch.device,
+                          max_keys: int) -> int:
+        # A row's splits sit at fixed key positions (KernelOptions.invariant_split_tokens)
+        # whatever the grid, and are folded in one order (fold_partial), so only the grid
+        # may follow the batch: where the rows' programs leave the GPU idle (the rule of
+        # num_splits_for) each split gets a program, enough of them for the longest row;
+        # otherwise each program runs its row's splits one after another.
+        if num_reqs_padded * self.num_kv_heads >= 4 * _num_sms(device) or max_keys <= 0:
+            return 1
+        return max(1, math.ceil(max_keys / kernel_options().invariant_split_tokens))
 
     def fuses_kv_write(self, metadata: TritonAttentionMetadata) -> bool:
         """Does forward_with_kv_write do this step's KV write and attention in one kernel
@@ -189,7 +200,9 @@ class TritonAttentionImpl:
                 query, key_cache, value_cache, output,
                 metadata.query_start_loc, metadata.seq_lens, metadata.block_table, self.scale,
                 run_single_query=single, run_multi_query=multi,
-                num_splits=self.splits_for(metadata.seq_lens.shape[0], query.device),
+                num_splits=self.splits_for(
+                    metadata.seq_lens.shape[0], query.device,
+                    max_keys=metadata.block_table.shape[1] * key_cache.shape[1]),
                 split_query_len=query_len,
             )
         plan.launch(query, key_cache, value_cache, output)

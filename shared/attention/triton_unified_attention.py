@@ -63,6 +63,18 @@ def invariant_config(group: int, block_d: int, wide: bool) -> _KernelConfig:
     return _KernelConfig(block_m, block_m // group, tile_n, num_warps=4, num_stages=2)
 
 
+def invariant_split_tiles(tile_n: int) -> int:
+    """Batch-invariant mode's fixed KV split, in tiles of `tile_n` keys
+    (KernelOptions.invariant_split_tokens)."""
+    tokens = kernel_options().invariant_split_tokens
+    if tokens % tile_n:
+        raise ValueError(
+            f"KernelOptions.invariant_split_tokens={tokens} is not a multiple of the "
+            f"batch-invariant attention's KV tile ({tile_n} keys for this head size and "
+            "dtype); set a multiple of 64 (it is one of 16, 32, 64)")
+    return tokens // tile_n
+
+
 def single_query_config(group: int, block_d: int, wide: bool,
                         query_len: int = 1) -> _KernelConfig:
     """The split mapping's config for rows of `query_len` tokens (1: decodes)."""
@@ -204,6 +216,14 @@ class PagedAttentionPlan:
             MIN_TILES_PER_SPLIT=min_tiles_per_split(), DOT_DTYPE=dot_dtype,
             DOT_PRECISION=dot_precision_for(dot_dtype),
         )
+        fold = {}
+        if kernel_options().batch_invariant:
+            # Splits at fixed key positions in both mappings: a split program covers
+            # exactly one (num_splits covers the longest row: the backend's splits_for),
+            # an unsplit program folds its row's splits itself, in the reduction's order.
+            split_tiles = invariant_split_tiles(invariant_config(group, block_d, wide).tile_n)
+            consts["MIN_TILES_PER_SPLIT"] = split_tiles
+            fold = dict(FOLD_TILES=split_tiles)
         single = multi = reduce = None
         keep = kernel_options().repeat_launches
         partials = split_partials(query, num_reqs * split_query_len, num_splits) \
@@ -214,14 +234,15 @@ class PagedAttentionPlan:
                 paged_attention_kernel, (num_reqs, num_kv_heads, num_splits), keep, **consts,
                 BLOCK_M=cfg.block_m, BLOCK_Q=split_query_len, TILE_N=cfg.tile_n,
                 SINGLE_QUERY=True, MIN_QUERY_LEN=1, NUM_SPLITS=num_splits,
-                num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(query))
+                num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl_launch(query),
+                **fold)
             if num_splits > 1:
                 reduce = RepeatLaunch(
                     reduce_splits_kernel, (num_reqs * split_query_len, num_heads), keep,
                     HEAD_DIM=head_dim, BLOCK_D=block_d, TILE_N=cfg.tile_n,
                     NUM_SPLITS=num_splits, BLOCK_S=next_power_of_2(num_splits),
                     MIN_TILES_PER_SPLIT=consts["MIN_TILES_PER_SPLIT"], num_warps=4,
-                    QUERY_LEN=split_query_len, **pdl_launch(output))
+                    QUERY_LEN=split_query_len, FOLD=bool(fold), **pdl_launch(output))
         if run_multi_query:
             cfg = _multi_query_config(group, block_d, wide)
             # When the single-query mapping also runs it owns the length-1 rows.
@@ -230,7 +251,7 @@ class PagedAttentionPlan:
                 paged_attention_kernel, grid, keep,
                 **consts, BLOCK_M=cfg.block_m, BLOCK_Q=cfg.block_q, TILE_N=cfg.tile_n,
                 SINGLE_QUERY=False, MIN_QUERY_LEN=2 if run_single_query else 1,
-                NUM_SPLITS=1, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+                NUM_SPLITS=1, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **fold)
         runtime = (scale * LOG2E, num_reqs, *output.stride(), *query.stride(),
                    *key_cache.stride(), *value_cache.stride(), block_table.stride(0))
         return cls(cls.signature_of(query, key_cache, value_cache, output),

@@ -126,6 +126,56 @@ def attend_kv_tiles(
     return acc, l_i, m_i
 
 
+@triton.jit
+def fold_partial(acc, l_i, m_i, acc_s, l_s, m_s):
+    """Merge the partial (acc_s, l_s, m_s) of one KV split into the running (acc, l_i,
+    m_i): rows [M] and outputs [M, D]. Batch-invariant mode folds a token's fixed-size
+    splits with this, in split order, in every mapping (reduce_splits_kernel for split
+    programs, the program itself otherwise), so the token's result has one reduction
+    order wherever it runs. A split with no visible key (m_s -inf, l_s 0, acc_s 0) leaves
+    the running values exactly as they were; the first fold into the empty state (m_i
+    -inf) returns the split's partial exactly."""
+    m_new = tl.maximum(m_i, m_s)
+    m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+    a = tl.math.exp2(m_i - m_shift)
+    b = tl.math.exp2(m_s - m_shift)
+    return acc * a[:, None] + acc_s * b[:, None], l_i * a + l_s * b, m_new
+
+
+@triton.jit
+def attend_kv_splits(
+    q, q_abs, acc, l_i, m_i, key_cache_ptr, value_cache_ptr, block_row,
+    kv_head, tile_lo, tile_hi, kv_end, qk_scale,
+    stride_kb, stride_ks, stride_kh, stride_kd,
+    stride_vb, stride_vs, stride_vh, stride_vd,
+    BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr, TILE_N: tl.constexpr,
+    KV_BLOCK_SIZE: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    FOLD_TILES: tl.constexpr,
+):
+    """attend_kv_tiles over [tile_lo, tile_hi), or (FOLD_TILES > 0) over each split of
+    FOLD_TILES tiles from a fresh state, folded in order (fold_partial). tile_lo must
+    then be a multiple of FOLD_TILES: the splits sit at fixed key positions."""
+    if FOLD_TILES == 0:
+        acc, l_i, m_i = attend_kv_tiles(
+            q, q_abs, acc, l_i, m_i, key_cache_ptr, value_cache_ptr, block_row,
+            kv_head, tile_lo, tile_hi, kv_end, qk_scale,
+            stride_kb, stride_ks, stride_kh, stride_kd,
+            stride_vb, stride_vs, stride_vh, stride_vd,
+            BLOCK_D, HEAD_DIM, TILE_N, KV_BLOCK_SIZE, DOT_DTYPE, DOT_PRECISION)
+    else:
+        for split_lo in range(tile_lo, tile_hi, FOLD_TILES):
+            acc_s, l_s, m_s = attend_kv_tiles(
+                q, q_abs, tl.zeros_like(acc), tl.zeros_like(l_i),
+                tl.full(m_i.shape, float("-inf"), m_i.dtype),
+                key_cache_ptr, value_cache_ptr, block_row, kv_head, split_lo,
+                tl.minimum(split_lo + FOLD_TILES, tile_hi), kv_end, qk_scale,
+                stride_kb, stride_ks, stride_kh, stride_kd,
+                stride_vb, stride_vs, stride_vh, stride_vd,
+                BLOCK_D, HEAD_DIM, TILE_N, KV_BLOCK_SIZE, DOT_DTYPE, DOT_PRECISION)
+            acc, l_i, m_i = fold_partial(acc, l_i, m_i, acc_s, l_s, m_s)
+    return acc, l_i, m_i
+
+
 # num_reqs changes with the padded batch size: not specialising on it (== 1, % 16) keeps
 # the compiled variants few. (Runners still warm up each capture size before capturing:
 # NUM_SPLITS, a constexpr, follows the padded row count.)
@@ -162,6 +212,7 @@ def paged_attention_kernel(
     DOT_DTYPE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     USE_PDL: tl.constexpr = False,  # launched with programmatic dependent launch (sm_90+)
+    FOLD_TILES: tl.constexpr = 0,  # batch-invariant mode: the fixed split, in KV tiles
 ):
     if USE_PDL:  # launched while the KV-cache write before it drains
         pdl_wait_and_release()
@@ -225,12 +276,12 @@ def paged_attention_kernel(
         m_i = m_i.to(tl.float64)
         l_i = l_i.to(tl.float64)
         acc = acc.to(tl.float64)
-    acc, l_i, m_i = attend_kv_tiles(
+    acc, l_i, m_i = attend_kv_splits(
         q, q_abs, acc, l_i, m_i, key_cache_ptr, value_cache_ptr,
         block_table_ptr + req.to(tl.int64) * stride_bt, kv_head, tile_lo, tile_hi, kv_end,
         qk_scale, stride_kb, stride_ks, stride_kh, stride_kd,
         stride_vb, stride_vs, stride_vh, stride_vd,
-        BLOCK_D, HEAD_DIM, TILE_N, KV_BLOCK_SIZE, DOT_DTYPE, DOT_PRECISION,
+        BLOCK_D, HEAD_DIM, TILE_N, KV_BLOCK_SIZE, DOT_DTYPE, DOT_PRECISION, FOLD_TILES,
     )
 
     if NUM_SPLITS == 1:
@@ -267,6 +318,7 @@ def reduce_splits_kernel(
     MIN_TILES_PER_SPLIT: tl.constexpr,
     USE_PDL: tl.constexpr = False,  # launched with programmatic dependent launch (sm_90+)
     QUERY_LEN: tl.constexpr = 1,  # the split rows' query length (the kernel's BLOCK_Q)
+    FOLD: tl.constexpr = False,  # batch-invariant mode: fold the splits in order
 ):
     # program (req * QUERY_LEN + query token, head)
     req = tl.program_id(0) // QUERY_LEN
@@ -287,10 +339,16 @@ def reduce_splits_kernel(
     num_tiles = tl.cdiv(seq_len, TILE_N)
     num_used = tl.cdiv(num_tiles, tiles_per_split(num_tiles, NUM_SPLITS, MIN_TILES_PER_SPLIT))
 
-    offs_s = tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, BLOCK_D)
+    row = (req.to(tl.int64) * QUERY_LEN + q_pos) * num_heads + head
+    if FOLD:
+        _fold_splits(output_ptr, part_out_ptr, part_max_ptr, part_sum_ptr,
+                     (q_start + q_pos).to(tl.int64) * stride_ot + head * stride_oh,
+                     row * NUM_SPLITS, num_used, stride_od, HEAD_DIM, BLOCK_D)
+        return
+    offs_s = tl.arange(0, BLOCK_S)
     s_valid = offs_s < num_used
-    part = ((req.to(tl.int64) * QUERY_LEN + q_pos) * num_heads + head) * NUM_SPLITS + offs_s
+    part = row * NUM_SPLITS + offs_s
     m = tl.load(part_max_ptr + part, mask=s_valid, other=float("-inf"))
     lsum = tl.load(part_sum_ptr + part, mask=s_valid, other=0.0)
     weight = tl.where(s_valid, tl.math.exp2(m - tl.max(m, 0)), 0.0)
@@ -306,3 +364,29 @@ def reduce_splits_kernel(
         out.to(output_ptr.dtype.element_ty),
         mask=offs_d < HEAD_DIM,
     )
+
+
+@triton.jit
+def _fold_splits(output_ptr, part_out_ptr, part_max_ptr, part_sum_ptr, out_offset,
+                 first_part, num_used, stride_od,
+                 HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Batch-invariant merge of one (token, head)'s splits: fold_partial over them in
+    split order, then the division the unsplit program does, so the token's output has
+    the bits a program that runs its splits one after another gives it. The state is a
+    [1, BLOCK_D] tile and [1] vectors, fold_partial's shapes."""
+    one = tl.arange(0, 1)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_valid = offs_d[None, :] < HEAD_DIM
+    acc = tl.zeros([1, BLOCK_D], part_out_ptr.dtype.element_ty)
+    l_i = tl.zeros([1], part_sum_ptr.dtype.element_ty)
+    m_i = tl.full([1], float("-inf"), part_max_ptr.dtype.element_ty)
+    for s in range(num_used):
+        part = first_part + s + one
+        acc_s = tl.load(part_out_ptr + part[:, None] * HEAD_DIM + offs_d[None, :],
+                        mask=d_valid, other=0.0)
+        acc, l_i, m_i = fold_partial(acc, l_i, m_i, acc_s, tl.load(part_sum_ptr + part),
+                                     tl.load(part_max_ptr + part))
+    l_safe = tl.where(l_i == 0.0, 1.0, l_i)
+    out = acc / l_safe[:, None]
+    tl.store(output_ptr + out_offset + offs_d[None, :] * stride_od,
+             out.to(output_ptr.dtype.element_ty), mask=d_valid)
