@@ -51,6 +51,11 @@ class KernelOptions(BaseModel):
     attention_num_splits: int | None = Field(
         None, ge=1, description="KV splits of every decode launch; None: by batch and SM "
                                 "count (benchmarks)")
+    attention_split_tokens: int | None = Field(
+        None, ge=16, description="every decode launch cuts a row's KV into splits of this many "
+                                 "keys (a multiple of the KV tile), a grid covering the "
+                                 "longest row, instead of a split count by batch and SM "
+                                 "count (benchmarks: balance on ragged contexts)")
     repeat_launches: bool = Field(
         True, description="a kernel launched once per layer with the same arguments but "
                           "the layer's tensors (the eager attention of a piecewise step) "

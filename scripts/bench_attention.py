@@ -32,6 +32,7 @@ from shared.attention.metadata import CommonAttentionMetadata  # noqa: E402
 from shared.attention.torch_backend import TorchBackend  # noqa: E402
 from shared.attention.triton_backend import TritonBackend  # noqa: E402
 from shared.harness.measure import cuda_time_ms, graph_time_ms  # noqa: E402
+from shared.runtime.kernel_options import KernelOptions, use_kernel_options  # noqa: E402
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16
 DTYPE = torch.bfloat16
@@ -45,13 +46,16 @@ def hbm_read_bandwidth(gib: float, reps: int) -> dict:
     return {"case": f"hbm_read_sum_{gib:g}GiB", "time_ms": ms, "GBps": x.numel() * 4 / ms / 1e6}
 
 
-def paged_batch(query_lens: list[int], seq_lens: list[int], num_heads: int = NUM_HEADS):
-    """Uniformly laid-out metadata over a freshly allocated, shuffled paged cache."""
+def paged_batch(query_lens: list[int], seq_lens: list[int], num_heads: int = NUM_HEADS,
+                table_keys: int = 0):
+    """Uniformly laid-out metadata over a freshly allocated, shuffled paged cache; the
+    block table at least `table_keys` keys wide (an engine's is max_model_len's)."""
     num_reqs = len(seq_lens)
     blocks = [(s + BLOCK_SIZE - 1) // BLOCK_SIZE for s in seq_lens]
     num_blocks = sum(blocks)
     perm = torch.randperm(num_blocks, device=DEVICE, dtype=torch.int64).to(torch.int32)
-    table = torch.zeros(num_reqs, max(blocks), dtype=torch.int32, device=DEVICE)
+    width = max(max(blocks), -(-table_keys // BLOCK_SIZE))
+    table = torch.zeros(num_reqs, width, dtype=torch.int32, device=DEVICE)
     start = 0
     for r, n in enumerate(blocks):
         table[r, :n] = perm[start: start + n]
@@ -111,25 +115,41 @@ def bench_decode(batch: int, ctx: int, read_gbps: float, reps: int) -> dict:
 
 def bench_ragged_splits(batch: int, read_gbps: float, reps: int) -> list[dict]:
     """Decode over ragged contexts, uniform in [100, 2048] (the throughput workload's
-    range), with qwen3-0.6b's heads (16 / 8), at forced split counts: what the split
-    heuristic leaves on the table when one long context sets the tail."""
+    range), with qwen3-0.6b's heads (16 / 8), at forced split counts and fixed split
+    sizes: what the split heuristic leaves on the table when one long context sets the
+    tail; and batch-invariant mode's attention."""
     gen = torch.Generator().manual_seed(batch)
     seq_lens = torch.randint(100, 2049, (batch,), generator=gen).tolist()
-    common, query, key_cache, value_cache = paged_batch([1] * batch, seq_lens, num_heads=16)
+    # the table as wide as the engine's default max_model_len: fixed-size splits get a
+    # grid covering it
+    common, query, key_cache, value_cache = paged_batch([1] * batch, seq_lens, num_heads=16,
+                                                        table_keys=4096)
     ref_impl, ref_args = run_attention(TorchBackend(), common, query, key_cache, value_cache)
     ref_impl.forward(*ref_args)
     kv_bytes = 2 * sum(seq_lens) * NUM_KV_HEADS * HEAD_DIM * key_cache.element_size()
+    max_keys = common.block_table.shape[1] * key_cache.shape[1]
+    # (case suffix, forced split count, kernel options): split counts, then fixed-size
+    # splits over a grid covering the table, then batch-invariant mode's fixed splits and
+    # its former single split (a split as long as the table)
+    variants = [(f"s{n or 'auto'}", n, {}) for n in (None, 1, 2, 4, 8, 16)]
+    variants += [(f"tok{n}", None, {"attention_split_tokens": n}) for n in (256, 512, 1024)]
+    variants += [(f"bi_tok{n}", None, {"batch_invariant": True, "invariant_split_tokens": n})
+                 for n in (256, 512)]
+    variants += [("bi_1split", None, {"batch_invariant": True,
+                                      "invariant_split_tokens": max_keys})]
     rows = []
-    for splits in (None, 1, 2, 4, 8, 16):
-        impl, args = run_attention(TritonBackend(num_splits=splits), common, query, key_cache,
-                                   value_cache)
-        impl.forward(*args)
-        err = max_err(args[-1], ref_args[-1])
-        assert err < 3e-2, f"ragged b{batch} splits {splits}: TRITON differs by {err}"
-        ms = graph_time_ms(lambda impl=impl, args=args: impl.forward(*args), reps)
+    for name, splits, options in variants:
+        with use_kernel_options(KernelOptions(**options)):
+            impl, args = run_attention(TritonBackend(num_splits=splits), common, query,
+                                       key_cache, value_cache)
+            impl.forward(*args)
+            err = max_err(args[-1], ref_args[-1])
+            assert err < 3e-2, f"ragged b{batch} {name}: TRITON differs by {err}"
+            ms = graph_time_ms(lambda impl=impl, args=args: impl.forward(*args), reps)
+            num_splits = impl.splits_for(batch, DEVICE, max_keys=max_keys)
         rows.append({
-            "case": f"ragged_b{batch}_s{splits or 'auto'}", "batch": batch,
-            "num_splits": impl.splits_for(batch, DEVICE), "kv_bytes": kv_bytes,
+            "case": f"ragged_b{batch}_{name}", "batch": batch,
+            "num_splits": num_splits, "kv_bytes": kv_bytes,
             "time_ms": ms, "GBps": kv_bytes / ms / 1e6,
             "ratio_to_read_bw": kv_bytes / ms / 1e6 / read_gbps,
         })
@@ -192,7 +212,7 @@ def main() -> None:
     torch.cuda.empty_cache()
     results = [read]
     if args.ragged_only:
-        for batch in (32, 64, 128, 256):
+        for batch in (8, 32, 64, 128, 256):
             results += bench_ragged_splits(batch, read["GBps"], args.reps)
         print_table(results)
     else:

@@ -130,6 +130,9 @@ class TritonAttentionImpl:
         forced = self.num_splits or kernel_options().attention_num_splits
         if forced is not None:
             return forced
+        split_tokens = kernel_options().attention_split_tokens
+        if split_tokens is not None and max_keys > 0:
+            return math.ceil(max_keys / split_tokens)
         return num_splits_for(
             num_reqs_padded, self.num_kv_heads, _num_sms(device), self.max_num_splits
         )

@@ -63,15 +63,24 @@ def invariant_config(group: int, block_d: int, wide: bool) -> _KernelConfig:
     return _KernelConfig(block_m, block_m // group, tile_n, num_warps=4, num_stages=2)
 
 
-def invariant_split_tiles(tile_n: int) -> int:
-    """Batch-invariant mode's fixed KV split, in tiles of `tile_n` keys
-    (KernelOptions.invariant_split_tokens)."""
-    tokens = kernel_options().invariant_split_tokens
+def fixed_split_tokens() -> int | None:
+    """Keys per KV split where splits have a fixed size: batch-invariant mode's
+    invariant_split_tokens, else attention_split_tokens (None: a split count)."""
+    options = kernel_options()
+    if options.batch_invariant:
+        return options.invariant_split_tokens
+    return options.attention_split_tokens
+
+
+def split_tiles_of(tokens: int, tile_n: int) -> int:
+    """A fixed split of `tokens` keys in tiles of `tile_n` keys."""
     if tokens % tile_n:
+        name = ("invariant_split_tokens" if kernel_options().batch_invariant
+                else "attention_split_tokens")
         raise ValueError(
-            f"KernelOptions.invariant_split_tokens={tokens} is not a multiple of the "
-            f"batch-invariant attention's KV tile ({tile_n} keys for this head size and "
-            "dtype); set a multiple of 64 (it is one of 16, 32, 64)")
+            f"KernelOptions.{name}={tokens} is not a multiple of the attention's KV tile "
+            f"({tile_n} keys for this head size and dtype); set a multiple of 64 (the "
+            "tile is one of 16, 32, 64)")
     return tokens // tile_n
 
 
@@ -217,13 +226,19 @@ class PagedAttentionPlan:
             DOT_PRECISION=dot_precision_for(dot_dtype),
         )
         fold = {}
+        split_tokens = fixed_split_tokens()
         if kernel_options().batch_invariant:
             # Splits at fixed key positions in both mappings: a split program covers
             # exactly one (num_splits covers the longest row: the backend's splits_for),
             # an unsplit program folds its row's splits itself, in the reduction's order.
-            split_tiles = invariant_split_tiles(invariant_config(group, block_d, wide).tile_n)
+            split_tiles = split_tiles_of(split_tokens,
+                                         invariant_config(group, block_d, wide).tile_n)
             consts["MIN_TILES_PER_SPLIT"] = split_tiles
             fold = dict(FOLD_TILES=split_tiles)
+        elif split_tokens is not None and run_single_query:
+            # num_splits covers the longest row, so every split has exactly this size
+            consts["MIN_TILES_PER_SPLIT"] = split_tiles_of(
+                split_tokens, single_query_config(group, block_d, wide, split_query_len).tile_n)
         single = multi = reduce = None
         keep = kernel_options().repeat_launches
         partials = split_partials(query, num_reqs * split_query_len, num_splits) \

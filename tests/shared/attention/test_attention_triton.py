@@ -65,6 +65,16 @@ def test_decode_tile_and_split_knobs_fp16(tile_n, min_tiles, monkeypatch, kernel
             atol=2e-3, rtol=2e-3, pad_tokens=2)
 
 
+@pytest.mark.parametrize("split_tokens", [64, 128])
+def test_fixed_size_splits(split_tokens, kernel_opts):
+    # Splits of one and two 64-key tiles over a grid covering the block table's width
+    # (the longest row a table can hold): the 600-key row uses ten or five of them, the
+    # short rows one, the padded row none; a mixed step's decodes too.
+    kernel_opts(attention_split_tokens=split_tokens)
+    compare([1, 1, 1, 1], [600, 37, 150, 1], pad_tokens=2, pad_reqs=1)
+    compare([1, 1, 6, 17], [1, 300, 20, 40], block_size=16)
+
+
 def test_split_kv_independent_of_split_count():
     batch = make_batch([1, 1, 1], [420, 70, 5], 4, 2, 32, 8)
     one = run_backend(TritonBackend(num_splits=1), batch, 4, 32, 2)
