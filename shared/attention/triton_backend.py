@@ -141,10 +141,12 @@ class TritonAttentionImpl:
                           max_keys: int) -> int:
         # A row's splits sit at fixed key positions (KernelOptions.invariant_split_tokens)
         # whatever the grid, and are folded in one order (fold_partial), so only the grid
-        # may follow the batch: where the rows' programs leave the GPU idle (the rule of
-        # num_splits_for) each split gets a program, enough of them for the longest row;
-        # otherwise each program runs its row's splits one after another.
-        if num_reqs_padded * self.num_kv_heads >= 4 * _num_sms(device) or max_keys <= 0:
+        # may follow the batch: where the rows' programs leave SMs without a program
+        # (batch 1 of llama-3-8b: 8 programs) each split gets a program, enough of them
+        # for the longest row the block table holds, most of which exit at once on short
+        # rows; otherwise each program runs its row's splits one after another (a
+        # grid of (row, head, split) programs as wide as the table costs its exits).
+        if num_reqs_padded * self.num_kv_heads >= _num_sms(device) or max_keys <= 0:
             return 1
         return max(1, math.ceil(max_keys / kernel_options().invariant_split_tokens))
 

@@ -134,12 +134,15 @@ def fold_partial(acc, l_i, m_i, acc_s, l_s, m_s):
     programs, the program itself otherwise), so the token's result has one reduction
     order wherever it runs. A split with no visible key (m_s -inf, l_s 0, acc_s 0) leaves
     the running values exactly as they were; the first fold into the empty state (m_i
-    -inf) returns the split's partial exactly."""
+    -inf) returns the split's partial exactly. The sums are explicit FMAs: left as x * a
+    + y * b, the compiler may fuse either product into the add, and could choose
+    differently in the two kernels that fold."""
     m_new = tl.maximum(m_i, m_s)
     m_shift = tl.where(m_new == float("-inf"), 0.0, m_new)
     a = tl.math.exp2(m_i - m_shift)
     b = tl.math.exp2(m_s - m_shift)
-    return acc * a[:, None] + acc_s * b[:, None], l_i * a + l_s * b, m_new
+    acc = tl.math.fma(acc, a[:, None], acc_s * b[:, None])
+    return acc, tl.math.fma(l_i, a, l_s * b), m_new
 
 
 @triton.jit

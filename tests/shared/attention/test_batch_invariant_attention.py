@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 import torch
 
+from shared.attention import triton_backend
 from shared.attention.metadata import CommonAttentionMetadata
 from shared.attention.triton_backend import TritonBackend
 from tests.oracles.paged_attention import run_backend
@@ -94,11 +95,15 @@ def needle_rows(world: World) -> dict[str, torch.Tensor]:
 
 
 # The needle's 150 keys in float64 (KV tiles of 16): one split (256), one tile a split,
-# and splits of two tiles, the last one partial. The decode row alone is a split grid
-# whose partials the reduction folds (its 2 programs leave the interpreter's "GPU" idle),
-# the decode batch's 9 padded rows fold in their programs, the chunks in theirs.
+# and splits of two tiles, the last one partial. With the interpreter's one "SM" every
+# decode program folds its row's splits itself; with 64 the decode rows (alone: 2
+# programs, the batch: 18) leave SMs idle, so each split gets a program and the
+# reduction folds the partials. The chunks always fold in their programs.
+@pytest.mark.parametrize("num_sms", [1, 64])
 @pytest.mark.parametrize("split_tokens", [256, 16, 32])
-def test_a_token_is_bitwise_the_same_in_every_scheduling(kernel_opts, split_tokens):
+def test_a_token_is_bitwise_the_same_in_every_scheduling(kernel_opts, monkeypatch,
+                                                         split_tokens, num_sms):
+    monkeypatch.setattr(triton_backend, "_num_sms", lambda device: num_sms)
     kernel_opts(batch_invariant=True, invariant_split_tokens=split_tokens)
     rows = needle_rows(World(7, torch.float64))
     alone = rows.pop("alone")
@@ -116,3 +121,25 @@ def test_without_the_mode_the_same_comparison_fails():
     assert differing, "mode off gave identical rows: the test cannot tell the modes apart"
     for row in rows.values():  # still the same values up to rounding
         torch.testing.assert_close(row, alone, atol=1e-12, rtol=1e-12)
+
+
+def test_the_split_launches_compile_for_sm90(kernel_opts, monkeypatch, tmp_path):
+    # The interpreter runs a kernel's Python, not the compiler (tests/kernel_compile.py):
+    # every launch of the fold paths (split programs and the folding reduction, programs
+    # that fold, both dot kinds) and of attention_split_tokens' fixed splits compiles.
+    from tests.kernel_compile import LaunchRecorder, compile_for_sm90
+
+    with LaunchRecorder() as recorder:
+        for num_sms in (1, 64):
+            monkeypatch.setattr(triton_backend, "_num_sms", lambda device, n=num_sms: n)
+            for dtype in (torch.float32, torch.float16):
+                kernel_opts(batch_invariant=True, invariant_split_tokens=64)
+                needle_rows(World(7, dtype))
+        kernel_opts(batch_invariant=False, attention_split_tokens=128)
+        needle_rows(World(7, torch.float16))
+    folds = [e for e in recorder.launches.values()
+             if e["kernel"].endswith("reduce_splits_kernel") and e["constexprs"].get("FOLD")]
+    assert folds, "no folding reduction was launched"
+    failures = compile_for_sm90(list(recorder.launches.values()), tmp_path)
+    assert not failures, "\n".join(failures)
+    assert not recorder.unrecorded, sorted(recorder.unrecorded)
