@@ -2,7 +2,7 @@
 # The GPU machine's one entry point: install what the image lacks from carried wheels,
 # run the gpu-marked tests, run the benchmarks, write everything under $OUT.
 #
-#   scripts/gpu_check.sh [gemv|tune|tests|boundary|attention|decode|profile|ab|ab_async|ab_embed|spec|ab_spec|builtins|sample_host|churn_host|mixed|host_waits|bi|bi_tests|bi_bench|ab_bi|serve|gguf_part0|ngram|hf|all]...
+#   scripts/gpu_check.sh [gemv|tune|tests|boundary|attention|ragged|decode|profile|ab|ab_async|ab_embed|spec|ab_spec|builtins|sample_host|churn_host|mixed|host_waits|bi|bi_tests|bi_bench|ab_bi|serve|gguf_part0|ngram|hf|all]...
 #
 # Stages run in the order of this file, whatever the order of the arguments. gemv and tune
 # write a GEMV launch table to $OUT/gemv_configs.json (gemv per shape, tune llama-3-8b's
@@ -60,6 +60,11 @@ if want boundary; then
 fi
 if want attention; then
   python3 scripts/bench_attention.py --out "$OUT/attention.json" 2>&1 | tee "$OUT/attention.log"
+fi
+if want ragged; then
+  # decode attention on ragged contexts: split counts, fixed-size splits, batch-invariant
+  python3 scripts/bench_attention.py --ragged-only --reps 30 --out "$OUT/ragged.json" 2>&1 \
+    | tee "$OUT/ragged.log"
 fi
 if want decode; then
   python3 scripts/bench_decode.py --out "$OUT/decode.json" ${DECODE_ARGS:-} 2>&1 \
