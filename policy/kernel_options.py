@@ -16,7 +16,11 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+# The widest KV tile of the attention kernels (16-bit inputs up to head_dim 128); the
+# others (32, 16) divide it, so a split of a multiple of it is whole tiles on every path.
+_WIDEST_KV_TILE = 64
 
 
 class KernelOptions(BaseModel):
@@ -52,7 +56,7 @@ class KernelOptions(BaseModel):
         None, ge=1, description="KV splits of every decode launch; None: by batch and SM "
                                 "count (benchmarks)")
     attention_split_tokens: int | None = Field(
-        None, ge=16, description="every decode launch cuts a row's KV into splits of this many "
+        None, ge=64, description="every decode launch cuts a row's KV into splits of this many "
                                  "keys (a multiple of the KV tile), a grid covering the "
                                  "longest row, instead of a split count by batch and SM "
                                  "count (benchmarks: balance on ragged contexts)")
@@ -72,7 +76,7 @@ class KernelOptions(BaseModel):
                            "and one launch config for both attention mappings (policy/"
                            "batch_invariance.py; EngineArgs.batch_invariant sets it)")
     invariant_split_tokens: int = Field(
-        256, ge=16, description="batch-invariant mode: a row's KV is cut into splits of this "
+        256, ge=64, description="batch-invariant mode: a row's KV is cut into splits of this "
                                 "many keys (a multiple of the attention's KV tile) at fixed "
                                 "positions, whatever the batch; the splits run in parallel "
                                 "where the batch leaves the GPU idle and are merged in one "
@@ -82,6 +86,20 @@ class KernelOptions(BaseModel):
                           "length: its single-token drafts, a uniform catch-up) replay FULL "
                           "CUDA graphs where the engine's cudagraph_mode has FULL graphs; "
                           "False: the draft's piecewise graphs only (benchmarks)")
+
+    @model_validator(mode="after")
+    def _splits_are_whole_tiles(self) -> KernelOptions:
+        # Checked here, not at the first attention launch: a bad value would otherwise
+        # fail inside a step. A split is whole KV tiles of every attention path.
+        tile = max(_WIDEST_KV_TILE, self.attention_tile_n or 0)
+        for name in ("invariant_split_tokens", "attention_split_tokens"):
+            value = getattr(self, name)
+            if value is not None and value % tile:
+                raise ValueError(
+                    f"KernelOptions.{name}={value} is not a multiple of {tile}, the widest "
+                    f"KV tile of the attention kernels (attention_tile_n={self.attention_tile_n}); "
+                    f"accepted: a multiple of {tile}, e.g. {max(tile, value - value % tile)}")
+        return self
 
     def gemv_config(self, key: str) -> tuple[int, ...] | None:
         return self.gemv_configs.get(key)

@@ -94,13 +94,13 @@ def needle_rows(world: World) -> dict[str, torch.Tensor]:
     return out
 
 
-# The needle's 150 keys in float64 (KV tiles of 16): one split (256), one tile a split,
-# and splits of two tiles, the last one partial. With the interpreter's one "SM" every
+# The needle's 150 keys in float64 (KV tiles of 16): one split (256), and splits of four
+# and eight tiles (64, 128 keys), the last one partial. With the interpreter's one "SM" every
 # decode program folds its row's splits itself; with 64 the decode rows (alone: 2
 # programs, the batch: 18) leave SMs idle, so each split gets a program and the
 # reduction folds the partials. The chunks always fold in their programs.
 @pytest.mark.parametrize("num_sms", [1, 64])
-@pytest.mark.parametrize("split_tokens", [256, 16, 32])
+@pytest.mark.parametrize("split_tokens", [256, 64, 128])
 def test_a_token_is_bitwise_the_same_in_every_scheduling(kernel_opts, monkeypatch,
                                                          split_tokens, num_sms):
     monkeypatch.setattr(triton_backend, "_num_sms", lambda device: num_sms)

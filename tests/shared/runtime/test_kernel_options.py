@@ -94,3 +94,19 @@ def test_null_attention_backend_launches_no_attention(monkeypatch):
     out = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2, temperature=0.0,
                                                    ignore_eos=True), use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 2 and calls == []
+
+
+@pytest.mark.parametrize("changes,field", [
+    ({"invariant_split_tokens": 96}, "invariant_split_tokens"),
+    ({"attention_split_tokens": 200}, "attention_split_tokens"),
+    ({"attention_split_tokens": 192, "attention_tile_n": 128}, "attention_split_tokens"),
+])
+def test_a_split_that_is_not_whole_tiles_is_refused_at_config_time(changes, field):
+    with pytest.raises(ValueError, match=f"KernelOptions.{field}="):
+        KernelOptions(**changes)
+
+
+def test_splits_of_whole_tiles_are_accepted():
+    options = KernelOptions(invariant_split_tokens=128, attention_split_tokens=256,
+                            attention_tile_n=128)
+    assert (options.invariant_split_tokens, options.attention_split_tokens) == (128, 256)
