@@ -126,13 +126,14 @@ def test_without_the_mode_the_same_comparison_fails():
 def test_the_split_launches_compile_for_sm90(kernel_opts, monkeypatch, tmp_path):
     # The interpreter runs a kernel's Python, not the compiler (tests/kernel_compile.py):
     # every launch of the fold paths (split programs and the folding reduction, programs
-    # that fold, both dot kinds) and of attention_split_tokens' fixed splits compiles.
+    # that fold; fp16, fp32 and fp64 dots) and of attention_split_tokens' fixed splits
+    # compiles.
     from tests.kernel_compile import LaunchRecorder, compile_for_sm90
 
     with LaunchRecorder() as recorder:
         for num_sms in (1, 64):
             monkeypatch.setattr(triton_backend, "_num_sms", lambda device, n=num_sms: n)
-            for dtype in (torch.float32, torch.float16):
+            for dtype in (torch.float64, torch.float32, torch.float16):
                 kernel_opts(batch_invariant=True, invariant_split_tokens=64)
                 needle_rows(World(7, dtype))
         kernel_opts(batch_invariant=False, attention_split_tokens=128)
