@@ -148,7 +148,7 @@ class TritonAttentionImpl:
         # grid of (row, head, split) programs as wide as the table costs its exits).
         if num_reqs_padded * self.num_kv_heads >= _num_sms(device) or max_keys <= 0:
             return 1
-        return max(1, math.ceil(max_keys / kernel_options().invariant_split_tokens))
+        return math.ceil(max_keys / kernel_options().invariant_split_tokens)
 
     def fuses_kv_write(self, metadata: TritonAttentionMetadata) -> bool:
         """Does forward_with_kv_write do this step's KV write and attention in one kernel

@@ -73,14 +73,9 @@ def fixed_split_tokens() -> int | None:
 
 
 def split_tiles_of(tokens: int, tile_n: int) -> int:
-    """A fixed split of `tokens` keys in tiles of `tile_n` keys."""
-    if tokens % tile_n:
-        name = ("invariant_split_tokens" if kernel_options().batch_invariant
-                else "attention_split_tokens")
-        raise ValueError(
-            f"KernelOptions.{name}={tokens} is not a multiple of the attention's KV tile "
-            f"({tile_n} keys for this head size and dtype); set a multiple of 64 (the "
-            "tile is one of 16, 32, 64)")
+    """A fixed split of `tokens` keys in tiles of `tile_n` keys. KernelOptions refuses a
+    split that is not a multiple of the widest tile, which every tile divides."""
+    assert tokens % tile_n == 0, (tokens, tile_n)
     return tokens // tile_n
 
 
