@@ -56,8 +56,9 @@ class KernelOptions(BaseModel):
         None, ge=1, description="KV splits of every decode launch; None: by batch and SM "
                                 "count (benchmarks)")
     attention_split_tokens: int | None = Field(
-        None, ge=64, description="every decode launch cuts a row's KV into splits of this many "
-                                 "keys (a multiple of the KV tile), a grid covering the "
+        None, ge=64, description="the unified attention's decode launches (not the fused "
+                                 "decode + KV-write kernel) cut a row's KV into splits of "
+                                 "this many keys (a multiple of 64), a grid covering the "
                                  "longest row, instead of a split count by batch and SM "
                                  "count (benchmarks: balance on ragged contexts)")
     repeat_launches: bool = Field(
