@@ -134,7 +134,7 @@ def bench_ragged_splits(batch: int, read_gbps: float, reps: int) -> list[dict]:
     variants = [(f"s{n or 'auto'}", n, {}) for n in (None, 1, 2, 4, 8, 16)]
     variants += [(f"tok{n}", None, {"attention_split_tokens": n}) for n in (256, 512, 1024)]
     variants += [(f"bi_tok{n}", None, {"batch_invariant": True, "invariant_split_tokens": n})
-                 for n in (256, 512)]
+                 for n in (64, 128, 256, 512)]
     variants += [("bi_1split", None, {"batch_invariant": True,
                                       "invariant_split_tokens": max_keys})]
     rows = []
@@ -152,6 +152,31 @@ def bench_ragged_splits(batch: int, read_gbps: float, reps: int) -> list[dict]:
             "num_splits": num_splits, "kv_bytes": kv_bytes,
             "time_ms": ms, "GBps": kv_bytes / ms / 1e6,
             "ratio_to_read_bw": kv_bytes / ms / 1e6 / read_gbps,
+        })
+    return rows
+
+
+def bench_invariant_b1(ctx: int, read_gbps: float, reps: int) -> list[dict]:
+    """Batch-invariant mode's decode attention where it costs most: one llama-3-8b row
+    (32 / 8 heads, so 8 programs per split) at `ctx` keys over an engine-wide table,
+    beside the mode off, at each invariant split size."""
+    common, query, key_cache, value_cache = paged_batch([1], [ctx], table_keys=4096)
+    max_keys = common.block_table.shape[1] * key_cache.shape[1]
+    kv_bytes = 2 * ctx * NUM_KV_HEADS * HEAD_DIM * key_cache.element_size()
+    variants = [("off", {})]
+    variants += [(f"bi_tok{n}", {"batch_invariant": True, "invariant_split_tokens": n})
+                 for n in (64, 128, 256, 512)]
+    rows = []
+    for name, options in variants:
+        with use_kernel_options(KernelOptions(**options)):
+            impl, args = run_attention(TritonBackend(), common, query, key_cache, value_cache)
+            impl.forward(*args)
+            ms = graph_time_ms(lambda impl=impl, args=args: impl.forward(*args), reps)
+            num_splits = impl.splits_for(1, DEVICE, max_keys=max_keys)
+        rows.append({
+            "case": f"llama_b1_ctx{ctx}_{name}", "batch": 1, "context": ctx,
+            "num_splits": num_splits, "kv_bytes": kv_bytes, "time_ms": ms,
+            "GBps": kv_bytes / ms / 1e6, "ratio_to_read_bw": kv_bytes / ms / 1e6 / read_gbps,
         })
     return rows
 
@@ -212,6 +237,8 @@ def main() -> None:
     torch.cuda.empty_cache()
     results = [read]
     if args.ragged_only:
+        for ctx in (1024, 4096):
+            results += bench_invariant_b1(ctx, read["GBps"], args.reps)
         for batch in (8, 32, 64, 128, 256):
             results += bench_ragged_splits(batch, read["GBps"], args.reps)
         print_table(results)

@@ -12,7 +12,7 @@
 # stages measure the package's table. GEMV_ARGS, TUNE_ARGS, DECODE_ARGS and GPU_TESTS pass
 # arguments on; SPEC_VARIANTS and SPEC_CONFIGS replace the spec stages' variants;
 # SERVE_PROMPTS and SERVE_RATES the serve stage's workload; AB_SPEC_ARGS adds ab_spec's
-# arguments (e.g. --engine-loop sync).
+# arguments (e.g. --engine-loop sync), AB_BI_ARGS ab_bi's (e.g. --batch-sizes 1,64,256).
 #
 # Run through the device tool from the repository root, carrying `.whl`:
 #   python3 -m pip download ... -d .whl pydantic==2.14.4 pydantic-core==2.50.5 \
@@ -183,7 +183,7 @@ if want bi || want ab_bi; then
   # issue 26: "tokens identical across runners" in bf16 with the mode, three workloads
   python3 -m shared.harness.cli ab --model qwen3-0.6b --load-format dummy --dtype bfloat16 \
     --device cuda --workloads decode,churn,throughput --engine-loop async --batch-invariant \
-    --output-dir "$OUT/ab_bi" 2>&1 | grep -v "^INFO" | tee "$OUT/ab_bi.log"
+    ${AB_BI_ARGS:-} --output-dir "$OUT/ab_bi" 2>&1 | grep -v "^INFO" | tee "$OUT/ab_bi.log"
 fi
 if want serve; then
   # issue 27: online serving, V1 and V2 with async scheduling, three request rates from
