@@ -26,9 +26,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from scripts.bench_batch_invariant_matmul import _inputs, graph_ms  # noqa: E402
 from shared.model.kernels import batch_invariant_matmul as bim  # noqa: E402
 
-SHAPES = {  # name: (N, K), qwen3-0.6b (16 / 8 heads of 128, hidden 1024, MLP 3072)
-    "qkv": (4096, 1024), "o_proj": (1024, 2048), "gate_up": (6144, 1024),
-    "down": (1024, 3072), "lm_head": (151936, 1024),
+SHAPES = {  # name: (N, K), qwen3-0.6b (16 / 8 heads of 128, hidden 1024, MLP 3072), largest first
+    "lm_head": (151936, 1024), "gate_up": (6144, 1024), "qkv": (4096, 1024),
+    "down": (1024, 3072), "o_proj": (1024, 2048),
 }
 GRID = dict(block_m=(16, 32, 64, 128), block_n=(32, 64, 128), block_k=(64, 128),
             warps=(4, 8), stages=(3, 4))
@@ -80,8 +80,9 @@ def main() -> int:
     args = p.parse_args()
     report = {"command": " ".join(["python3", *sys.argv]),
               "gpu": torch.cuda.get_device_name()}
-    report |= {name: sweep_shape(name, args.rep) for name in args.shapes.split(",")}
-    Path(args.out).write_text(json.dumps(report, indent=1, default=str))
+    for name in args.shapes.split(","):  # written after each shape: a timeout keeps the rest
+        report[name] = sweep_shape(name, args.rep)
+        Path(args.out).write_text(json.dumps(report, indent=1, default=str))
     return 0
 
 
