@@ -126,7 +126,7 @@ def experiment_shape(name: str, dtype: torch.dtype) -> list[dict]:
                  for bk in (max(16, block_k // 2), min(k, 2 * block_k)) if bk != block_k]
     variants += [(bim.BLOCK_M, (bn, block_k, warps, stages))
                  for bn in (16, 64, 128) if bn != block_n]
-    if dtype.itemsize == 2:  # the engine's own tall tiles, above TALL_ROWS rows
+    if dtype.itemsize == 2:  # the engine's own tall tiles, above MEDIUM_ROWS rows
         variants.append((bim.TALL_CONFIG[0], tuple(bim.TALL_CONFIG[1:])))
     results = []
     for block_m, cfg in variants:

@@ -4,7 +4,7 @@ decode row counts (M = 1, 8, 64), among those that give every element the engine
 For each shape, every (BLOCK_N, BLOCK_K, num_warps, num_stages) of the grid below is timed
 at each M (a CUDA graph of one call, do_bench median, L2 cleared) beside the engine's own
 config. A config is admissible only if its output for 256 rows (BLOCK_M 16 tiles, as the
-engine's below TALL_ROWS) equals the engine's config's bitwise. GPU only.
+engine's up to SMALL_ROWS) equals the engine's config's bitwise. GPU only.
 
   python3 scripts/sweep_bi_matmul_decode.py --out sweep.json [--rep 30]
 """

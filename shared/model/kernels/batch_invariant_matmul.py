@@ -7,18 +7,20 @@ between batch 1 and batch 64. Batch-invariant mode needs each row's result to be
 function of that row and the weight only: not of M, of the row's position, of padding or
 of the other rows. This kernel gets that by construction:
 
-- The tile: up to TALL_ROWS rows, BLOCK_M 16 (tl.dot's smallest tile) with BLOCK_N and
+- The tile: up to SMALL_ROWS rows, BLOCK_M 16 (tl.dot's smallest tile) with BLOCK_N and
   BLOCK_K from `invariant_config(N, K, dtype, device)`: the decode steps' weight
-  streaming; up to MEDIUM_ROWS, 64-row tiles (large decode batches). Above it,
-  TALL_CONFIG's 128 x 128 tiles (wgmma on sm_90), which prefill needs: at BLOCK_M 16 an 8192-row GEMM ran several times cuBLAS's time on
-  the H200 (docs/results/raw/1f8faa0/h200_bi_matmul_block_m16_only.json). Tile
-  shape changes which program computes an element, not its order: on the H200 a 16-,
-  32-, 64- and 128-row tile (mma.sync and wgmma) and other BLOCK_N / BLOCK_K gave every
-  element bitwise the same on llama-3-8b's five shapes (scripts/
-  bench_batch_invariant_matmul.py, docs/results/raw/ for the run), and the GPU needle
-  tests cross the TALL_ROWS boundary. A new GPU must pass them again before the rule
-  holds there. `block_m` forces a tile height (the experiment's); the engine never
-  passes it. M is not specialised on (one binary per tile for every row count).
+  streaming; up to MEDIUM_ROWS, 64-row tiles sized by `medium_config` (decode batches);
+  above, TALL_CONFIG's 128 x 128 tiles (wgmma on sm_90), which prefill needs: at BLOCK_M 16
+  an 8192-row GEMM ran several times cuBLAS's time on the H200
+  (docs/results/raw/1f8faa0/h200_bi_matmul_block_m16_only.json). Tile shape changes which
+  program computes an element, not its order: on the H200 a 16-, 32-, 64- and 128-row
+  tile (mma.sync and wgmma) and other BLOCK_N / BLOCK_K gave every element bitwise the
+  same on llama-3-8b's five shapes (scripts/bench_batch_invariant_matmul.py), on the H100
+  all 96 tiles of scripts/sweep_bi_matmul_medium.py on qwen3-0.6b's five (docs/results/
+  raw/ for the runs), and the GPU needle tests cross both boundaries. A new GPU must pass
+  them again before the rule holds there. `block_m` forces a tile height (the
+  experiment's); the engine never passes it. M is not specialised on (one binary per
+  tile for every row count).
 - Each program walks K once, in increasing k, with the accumulator threaded through the
   dot (`acc = tl.dot(a, b, acc=acc)`), so an element's sum is one chain of MMA k-steps
   whatever BLOCK_K is (sm_90: mma.sync m16n8k16 for bf16/fp16, m8n8k4 for fp64; the fp32
@@ -66,15 +68,24 @@ _INTERPRETER_CONFIG = (64, 64, 4, 1)
 # headroom for the dot's layout conversions). Binds only for the experiment's tall tiles.
 _SMEM_BUDGET = 160 * 1024
 _MAX_GRID_Y = 65535  # CUDA's limit on grid dimension 1 (the N blocks)
-# Above this many rows the tall tiles: (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages)
-# for 2-byte types (fp32/fp64 keep the small tiles: their exact dots run on CUDA cores).
-TALL_ROWS = 64
-TALL_CONFIG = (128, 128, 64, 8, 3)
-# Between TALL_ROWS and MEDIUM_ROWS rows (large decode batches) 128 x 128 tiles leave a
-# small model's weight with a few dozen programs (qwen3-0.6b's o_proj at 256 rows: 16):
-# 64-row tiles with the small tiles' BLOCK_N instead. The tile does not change the bits.
+# Above SMALL_ROWS rows, 2-byte types take 64-row tiles (medium_config), above MEDIUM_ROWS
+# the tall tiles: (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages). fp32/fp64 keep the
+# small tiles at every M: their exact dots run on CUDA cores.
+SMALL_ROWS = 16
 MEDIUM_ROWS = 512
-MEDIUM_TILE = (64, 64, 4, 4)  # BLOCK_M, BLOCK_K, num_warps, num_stages
+TALL_CONFIG = (128, 128, 64, 8, 3)
+# 64-row tiles between them. 16-row tiles read the weight once per 16 rows, 128 x 128 tiles
+# leave a small model's weight a few dozen programs (qwen3-0.6b's o_proj at 256 rows: 16).
+# BLOCK_N: the widest of MEDIUM_BLOCK_NS that still gives MEDIUM_MIN_PROGRAMS programs;
+# BLOCK_K 128 beside 32 columns, 64 beside wider tiles (the 4 stages of a 64 x 128 x 128
+# tile would not overlap in _SMEM_BUDGET). Chosen from the H100 sweep of qwen3-0.6b's GEMMs
+# at 64 and 256 rows (scripts/sweep_bi_matmul_medium.py; docs/results/ for the run): near
+# the best of its 96 tiles per shape, summed over a step, and ahead of the 16-row tiles at
+# 64 rows and of the 64 x 16..64 tiles with 64-column K steps at 256.
+MEDIUM_BLOCK_M = 64
+MEDIUM_BLOCK_NS = (128, 64, 32)
+MEDIUM_MIN_PROGRAMS = 256
+MEDIUM_LAUNCH = (4, 4)  # num_warps, num_stages
 
 
 def invariant_config(n: int, k: int, dtype: torch.dtype,
@@ -95,6 +106,18 @@ def invariant_config(n: int, k: int, dtype: torch.dtype,
     wide = dtype.itemsize >= 4
     block_k = min(32 if wide else 128, max(16, next_power_of_2(k)))
     return block_n, block_k, 4, 3 if wide else 6
+
+
+def medium_config(m: int, n: int, k: int) -> tuple[int, int, int, int]:
+    """(BLOCK_N, BLOCK_K, num_warps, num_stages) of a 64-row tile for m rows of a 2-byte
+    type, SMALL_ROWS < m <= MEDIUM_ROWS (the constants above say why). A speed choice:
+    the tile does not change the bits, so it may follow m."""
+    row_blocks = triton.cdiv(m, MEDIUM_BLOCK_M)
+    block_n = next((b for b in MEDIUM_BLOCK_NS
+                    if row_blocks * triton.cdiv(n, b) >= MEDIUM_MIN_PROGRAMS),
+                   MEDIUM_BLOCK_NS[-1])
+    block_k = min(128 if block_n == 32 else 64, max(16, next_power_of_2(k)))
+    return block_n, block_k, *MEDIUM_LAUNCH
 
 
 def _dot_dtype(dtype: torch.dtype):
@@ -190,13 +213,12 @@ def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
         config = invariant_config(n, k, x.dtype, x.device)
         if block_m is None:
             block_m = BLOCK_M
-            if m > TALL_ROWS and x.is_cuda and not INTERPRET and x.element_size() == 2:
+            if m > SMALL_ROWS and x.is_cuda and not INTERPRET and x.element_size() == 2:
                 if m > MEDIUM_ROWS:
                     block_m, *rest = TALL_CONFIG
                     config = tuple(rest)
                 else:
-                    block_m, block_k, warps, stages = MEDIUM_TILE
-                    config = (config[0], min(block_k, config[1]), warps, stages)
+                    block_m, config = MEDIUM_BLOCK_M, medium_config(m, n, k)
         _launch(rows, weight, bias, out, config, block_m)
     return out.to(x.dtype).reshape(*lead, n)
 
