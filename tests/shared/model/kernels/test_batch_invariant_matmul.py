@@ -11,6 +11,10 @@ interpreter.
   the module docstring); the bf16 and float32 forms run on the GPU
   (tests/gpu/shared/model/kernels/test_batch_invariant_matmul_gpu.py).
 - The launch-config rule (BLOCK_N from the SM count) on llama-3-8b's shapes.
+- The 64-row tiles the GPU takes from 17 to 512 rows, launched here with their configs:
+  correct against NumPy where rows, columns and K end inside a tile (their bits against
+  the 16-row tiles' are a GPU question: the interpreter's dot sums a whole K block in one
+  NumPy call, so its bits follow BLOCK_K, where the GPU's MMA k-steps do not).
 """
 
 from __future__ import annotations
@@ -47,6 +51,21 @@ def test_matches_numpy(m, n, k, bias, dtype):
     assert got.shape == (m, n) and got.dtype == dtype
     tol = 1e-12 if dtype == torch.float64 else 2e-5 * k**0.5
     np.testing.assert_allclose(got.double().numpy(), _numpy_ref(x, w, b), rtol=tol, atol=tol)
+
+
+# (M, N, K) and the width medium_config gives them: each of its three is launched
+MEDIUM_SHAPES = [(17, 40, 200, 32), (100, 8192, 136, 64), (300, 6656, 72, 128)]
+
+
+@pytest.mark.parametrize("m, n, k, block_n", MEDIUM_SHAPES)
+def test_medium_tiles_match_numpy(m, n, k, block_n):
+    config = bim.medium_config(m, n, k)
+    assert config[0] == block_n  # the case covers the width it was written for
+    gen = torch.Generator().manual_seed(m + n + k)
+    x, w, b = _randn(m, k, gen=gen), _randn(n, k, gen=gen), _randn(n, gen=gen)
+    out = torch.empty((m, n), dtype=torch.float64)
+    bim._launch(x, w, b, out, config, bim.MEDIUM_BLOCK_M)
+    np.testing.assert_allclose(out.numpy(), _numpy_ref(x, w, b), rtol=1e-12, atol=1e-12)
 
 
 def test_bf16_is_rounded_once_to_nearest():
