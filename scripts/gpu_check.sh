@@ -12,7 +12,8 @@
 # stages measure the package's table. GEMV_ARGS, TUNE_ARGS, DECODE_ARGS and GPU_TESTS pass
 # arguments on; SPEC_VARIANTS and SPEC_CONFIGS replace the spec stages' variants;
 # SERVE_PROMPTS and SERVE_RATES the serve stage's workload; AB_SPEC_ARGS adds ab_spec's
-# arguments (e.g. --engine-loop sync), AB_BI_ARGS ab_bi's (e.g. --batch-sizes 1,64,256).
+# arguments (e.g. --engine-loop sync), AB_BI_ARGS ab_bi's (e.g. --batch-sizes 1,64,256);
+# BI_LEAN=1 trims bi_bench (see there).
 #
 # Run through the device tool from the repository root, carrying `.whl`:
 #   python3 -m pip download ... -d .whl pydantic==2.14.4 pydantic-core==2.50.5 \
@@ -170,13 +171,19 @@ if want bi || want bi_tests; then
     ${DIFF_BI_ARGS:-} 2>&1 | grep -v "^INFO" | tee "$OUT/diff_bi.log"
 fi
 if want bi || want bi_bench; then
-  # issue 26: what the mode costs, each row beside the same engine without it, one process
-  python3 scripts/bench_batch_invariant_matmul.py --out "$OUT/bi_matmul.json" 2>&1 \
-    | tee "$OUT/bi_matmul.log"
-  python3 scripts/bench_decode.py --out "$OUT/decode_bi.json" --rows v1,v1-bi,v2,v2-bi \
+  # issue 26: what the mode costs, each row beside the same engine without it, one process.
+  # BI_LEAN=1: V2 alone for llama-3-8b and throughput, no matmul bench (about half the
+  # time: with bi_tests and ab_bi it fits one device call)
+  llama_rows=v1,v1-bi,v2,v2-bi tp_runners=v1a,v1a-bi,v2a,v2a-bi
+  [ "${BI_LEAN:-0}" = 1 ] && llama_rows=v2,v2-bi tp_runners=v2a,v2a-bi
+  if [ "${BI_LEAN:-0}" != 1 ]; then
+    python3 scripts/bench_batch_invariant_matmul.py --out "$OUT/bi_matmul.json" 2>&1 \
+      | tee "$OUT/bi_matmul.log"
+  fi
+  python3 scripts/bench_decode.py --out "$OUT/decode_bi.json" --rows $llama_rows \
     --qwen-runners v1,v1-bi,v2,v2-bi --qwen-batches 64,256 --qwen-graphs-only \
     --steps 30 2>&1 | grep -v "^INFO" | grep -v '^{' | tee "$OUT/decode_bi.log"
-  python3 scripts/profile_throughput.py --model qwen3-0.6b --runners v1a,v1a-bi,v2a,v2a-bi \
+  python3 scripts/profile_throughput.py --model qwen3-0.6b --runners $tp_runners \
     --out "$OUT/throughput_bi.json" 2>&1 | grep "^==" | tee "$OUT/throughput_bi.log"
 fi
 if want bi || want ab_bi; then
