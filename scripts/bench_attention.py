@@ -139,21 +139,29 @@ def bench_ragged_splits(batch: int, read_gbps: float, reps: int) -> list[dict]:
                                       "invariant_split_tokens": max_keys})]
     rows = []
     for name, splits, options in variants:
-        with use_kernel_options(KernelOptions(**options)):
-            impl, args = run_attention(TritonBackend(num_splits=splits), common, query,
-                                       key_cache, value_cache)
-            impl.forward(*args)
-            err = max_err(args[-1], ref_args[-1])
-            assert err < 3e-2, f"ragged b{batch} {name}: TRITON differs by {err}"
-            ms = graph_time_ms(lambda impl=impl, args=args: impl.forward(*args), reps)
-            num_splits = impl.splits_for(batch, DEVICE, max_keys=max_keys)
-        rows.append({
-            "case": f"ragged_b{batch}_{name}", "batch": batch,
-            "num_splits": num_splits, "kv_bytes": kv_bytes,
-            "time_ms": ms, "GBps": kv_bytes / ms / 1e6,
-            "ratio_to_read_bw": kv_bytes / ms / 1e6 / read_gbps,
-        })
+        out, row = _timed_variant(common, query, key_cache, value_cache, splits, options,
+                                  kv_bytes, read_gbps, reps)
+        err = max_err(out, ref_args[-1])
+        assert err < 3e-2, f"ragged b{batch} {name}: TRITON differs by {err}"
+        rows.append({"case": f"ragged_b{batch}_{name}", "batch": batch, **row})
     return rows
+
+
+def _timed_variant(common, query, key_cache, value_cache, splits, options: dict,
+                   kv_bytes: int, read_gbps: float, reps: int):
+    """One decode-attention variant (forced split count, kernel options) in a CUDA graph:
+    (its output, its row's timing fields)."""
+    batch = common.num_reqs
+    max_keys = common.block_table.shape[1] * key_cache.shape[1]
+    with use_kernel_options(KernelOptions(**options)):
+        impl, args = run_attention(TritonBackend(num_splits=splits), common, query,
+                                   key_cache, value_cache)
+        impl.forward(*args)
+        ms = graph_time_ms(lambda: impl.forward(*args), reps)
+        num_splits = impl.splits_for(batch, DEVICE, max_keys=max_keys)
+    return args[-1], {"num_splits": num_splits, "kv_bytes": kv_bytes, "time_ms": ms,
+                      "GBps": kv_bytes / ms / 1e6,
+                      "ratio_to_read_bw": kv_bytes / ms / 1e6 / read_gbps}
 
 
 def bench_invariant_b1(ctx: int, read_gbps: float, reps: int) -> list[dict]:
@@ -161,23 +169,15 @@ def bench_invariant_b1(ctx: int, read_gbps: float, reps: int) -> list[dict]:
     (32 / 8 heads, so 8 programs per split) at `ctx` keys over an engine-wide table,
     beside the mode off, at each invariant split size."""
     common, query, key_cache, value_cache = paged_batch([1], [ctx], table_keys=4096)
-    max_keys = common.block_table.shape[1] * key_cache.shape[1]
     kv_bytes = 2 * ctx * NUM_KV_HEADS * HEAD_DIM * key_cache.element_size()
     variants = [("off", {})]
     variants += [(f"bi_tok{n}", {"batch_invariant": True, "invariant_split_tokens": n})
                  for n in (64, 128, 256, 512)]
     rows = []
     for name, options in variants:
-        with use_kernel_options(KernelOptions(**options)):
-            impl, args = run_attention(TritonBackend(), common, query, key_cache, value_cache)
-            impl.forward(*args)
-            ms = graph_time_ms(lambda impl=impl, args=args: impl.forward(*args), reps)
-            num_splits = impl.splits_for(1, DEVICE, max_keys=max_keys)
-        rows.append({
-            "case": f"llama_b1_ctx{ctx}_{name}", "batch": 1, "context": ctx,
-            "num_splits": num_splits, "kv_bytes": kv_bytes, "time_ms": ms,
-            "GBps": kv_bytes / ms / 1e6, "ratio_to_read_bw": kv_bytes / ms / 1e6 / read_gbps,
-        })
+        _, row = _timed_variant(common, query, key_cache, value_cache, None, options,
+                                kv_bytes, read_gbps, reps)
+        rows.append({"case": f"llama_b1_ctx{ctx}_{name}", "batch": 1, "context": ctx, **row})
     return rows
 
 

@@ -210,17 +210,22 @@ def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     out = torch.empty((m, n), dtype=torch.float32 if interpreted_bf16 else x.dtype,
                       device=x.device)
     if m > 0 and n > 0:
-        config = invariant_config(n, k, x.dtype, x.device)
         if block_m is None:
-            block_m = BLOCK_M
-            if m > SMALL_ROWS and x.is_cuda and not INTERPRET and x.element_size() == 2:
-                if m > MEDIUM_ROWS:
-                    block_m, *rest = TALL_CONFIG
-                    config = tuple(rest)
-                else:
-                    block_m, config = MEDIUM_BLOCK_M, medium_config(m, n, k)
+            block_m, config = _tile(m, n, k, x)
+        else:
+            config = invariant_config(n, k, x.dtype, x.device)
         _launch(rows, weight, bias, out, config, block_m)
     return out.to(x.dtype).reshape(*lead, n)
+
+
+def _tile(m: int, n: int, k: int, x: torch.Tensor) -> tuple[int, tuple[int, int, int, int]]:
+    """(BLOCK_M, launch config) for m rows: the small tiles, or for 2-byte types on CUDA
+    the medium and tall ones (the module docstring)."""
+    if m > SMALL_ROWS and x.is_cuda and not INTERPRET and x.element_size() == 2:
+        if m > MEDIUM_ROWS:
+            return TALL_CONFIG[0], TALL_CONFIG[1:]
+        return MEDIUM_BLOCK_M, medium_config(m, n, k)
+    return BLOCK_M, invariant_config(n, k, x.dtype, x.device)
 
 
 def _launch(rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
